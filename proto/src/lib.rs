@@ -1,0 +1,316 @@
+//! Wire protocol between the SPANK plugin, `mpsrctl` and the node agent.
+//!
+//! One request and one response per frame: a 4-byte big-endian length, then a JSON body of at most
+//! [`MAX_FRAME`] bytes. The caller's uid is never taken from a message: the agent reads it from the
+//! socket (SO_PEERCRED). Only root/SlurmUser may name another uid (`Registration::uid`).
+//!
+//! This crate is deliberately small (serde + libc) so the plugin does not link the agent's dependencies.
+
+mod client;
+mod frame;
+
+pub use client::{Client, ClientError};
+pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
+
+use serde::{Deserialize, Serialize};
+
+/// Protocol revision; bumped on incompatible changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Slurm's step id of a batch script (`SLURM_BATCH_SCRIPT`).
+pub const BATCH_STEP: u32 = 0xffff_fffb;
+
+/// What the agent does for a job hit by a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Requeue the batch job through Slurm.
+    Requeue,
+    /// Restart the hit tasks in place (srun jobs cannot be requeued).
+    Resume,
+    /// Registered for bookkeeping only; the agent takes no action.
+    Off,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "requeue" => Ok(Mode::Requeue),
+            "resume" => Ok(Mode::Resume),
+            "off" => Ok(Mode::Off),
+            other => Err(format!(
+                "invalid mode '{other}': expected requeue, resume or off"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Requeue => "requeue",
+            Mode::Resume => "resume",
+            Mode::Off => "off",
+        })
+    }
+}
+
+/// One task of a job step using GPUs through the agent's MPS daemons.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Registration {
+    pub job_id: u32,
+    pub step_id: u32,
+    /// The task's pid on this node.
+    pub pid: u32,
+    /// Owner of the job. Only a trusted caller (root/SlurmUser) may set it; others get their own uid.
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// GPU indexes (node-local, as the agent numbers them).
+    pub gpus: Vec<u32>,
+    pub mode: Mode,
+    /// True when the job is a batch job (requeueable by Slurm).
+    #[serde(default)]
+    pub batch: bool,
+    #[serde(default)]
+    pub threads_pct: Option<u8>,
+    /// Pinned device memory limit in bytes.
+    #[serde(default)]
+    pub mem_limit: Option<u64>,
+    /// Slurm restart count of the job when this task started.
+    #[serde(default)]
+    pub restart_count: u32,
+}
+
+/// Requests to the agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Liveness and version check.
+    Hello { version: u32 },
+    /// MPS client context for these GPUs (pipe and log dirs, limits).
+    GpuContexts { gpus: Vec<u32> },
+    Register(Registration),
+    /// A task ended. `exit_status` is the raw wait status when known.
+    Deregister {
+        job_id: u32,
+        step_id: u32,
+        pid: u32,
+        #[serde(default)]
+        exit_status: Option<i32>,
+    },
+    /// A job ended on this node: drop what is left of it and return its fault report.
+    JobEnd { job_id: u32 },
+    /// Jobs, GPUs and MPS server states (filtered to the caller's jobs unless trusted).
+    Status,
+    /// The most recent decisions.
+    Events { limit: u32 },
+    /// What hit this job and what was done.
+    JobReport { job_id: u32 },
+    /// Asked by a resume supervisor after its child died: may it restart?
+    ResumeQuery { job_id: u32, step_id: u32, pid: u32 },
+    /// Node health for the health check.
+    Health,
+    /// Inject a simulated fault (sim backend only, trusted callers only).
+    SimInject {
+        gpu: u32,
+        xid: u32,
+        #[serde(default)]
+        culprit: Option<u32>,
+    },
+    /// Bring a simulated lost GPU back (models a GPU reset; sim backend only).
+    SimRecover { gpu: u32 },
+}
+
+/// MPS server state as the agent sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServerState {
+    /// No server running yet (the control daemon starts one on the first client).
+    Idle,
+    Active,
+    /// Blocked on a fatal fault: new clients are refused (CUDA error 807).
+    Fault,
+    /// The GPU is gone (device lost / needs reset).
+    Lost,
+    /// The control daemon is not running or not answering.
+    Down,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuContext {
+    pub gpu: u32,
+    pub uuid: String,
+    pub pipe_dir: String,
+    pub log_dir: String,
+    pub state: ServerState,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuStatus {
+    pub gpu: u32,
+    pub uuid: String,
+    pub pci_bus_id: String,
+    pub state: ServerState,
+    pub clients: Vec<u32>,
+    /// Why the GPU is unhealthy (hardware fault class), if it is.
+    pub unhealthy: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskStatus {
+    pub job_id: u32,
+    pub step_id: u32,
+    pub pid: u32,
+    pub uid: u32,
+    pub gpus: Vec<u32>,
+    pub mode: Mode,
+    pub batch: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusReply {
+    pub node: String,
+    pub backend: String,
+    pub simulated: bool,
+    pub gpus: Vec<GpuStatus>,
+    pub tasks: Vec<TaskStatus>,
+    pub pending_actions: u32,
+}
+
+/// One decision of the agent, as shown by `mpsrctl events`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    pub fault_id: u64,
+    /// Unix time in milliseconds when the first signal of the fault arrived.
+    pub at_ms: u64,
+    pub gpu: u32,
+    pub xids: Vec<u32>,
+    pub class: String,
+    pub sources: Vec<String>,
+    /// The pid the kernel log named (unreliable under MPS; never acted on alone).
+    pub reported_pid: Option<u32>,
+    /// The culprit, if an isolation source named it.
+    pub culprit: Option<u32>,
+    pub hit_jobs: Vec<u32>,
+    pub spared_jobs: Vec<u32>,
+    pub actions: Vec<String>,
+    /// Microseconds from first signal to decision.
+    pub decide_us: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobReport {
+    pub job_id: u32,
+    pub faults: Vec<DecisionRecord>,
+    /// Outcome of each Slurm action for this job ("requeue: done", ...).
+    pub actions: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeVerdict {
+    /// The task was hit and its GPU's MPS server is ACTIVE again: restart it.
+    Restart,
+    /// The task was hit; the server has not recovered yet: ask again.
+    Wait,
+    /// The task was the culprit or cannot be resumed (lost GPU): do not restart.
+    Fail,
+    /// The agent knows no fault that hit this task: its exit is its own.
+    NotHit,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthReply {
+    pub node: String,
+    pub healthy: bool,
+    /// Reasons (one per unhealthy GPU), each ready for a drain reason after the `mpsr:` prefix.
+    pub reasons: Vec<String>,
+}
+
+/// Error kinds a client can act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    BadRequest,
+    PermissionDenied,
+    NotFound,
+    Unsupported,
+    Internal,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Response {
+    Ok,
+    Hello {
+        version: u32,
+        node: String,
+        simulated: bool,
+    },
+    GpuContexts {
+        contexts: Vec<GpuContext>,
+    },
+    Status(StatusReply),
+    Events {
+        events: Vec<DecisionRecord>,
+    },
+    JobReport(JobReport),
+    Resume {
+        verdict: ResumeVerdict,
+        reason: String,
+    },
+    Health(HealthReply),
+    Injected {
+        fault_id_hint: u64,
+        killed: Vec<u32>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+impl Response {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Response::Error {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_roundtrip_and_unknown_fields_rejected() {
+        let r = Request::Register(Registration {
+            job_id: 7,
+            step_id: 0,
+            pid: 42,
+            uid: None,
+            gpus: vec![0, 1],
+            mode: Mode::Requeue,
+            batch: true,
+            threads_pct: Some(50),
+            mem_limit: None,
+            restart_count: 0,
+        });
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        let bad = r#"{"op":"deregister","job_id":1,"step_id":0,"pid":3,"evil":1}"#;
+        assert!(serde_json::from_str::<Request>(bad).is_err());
+        let bad_op = r#"{"op":"format_disk"}"#;
+        assert!(serde_json::from_str::<Request>(bad_op).is_err());
+    }
+
+    #[test]
+    fn mode_parse() {
+        assert_eq!("resume".parse::<Mode>().unwrap(), Mode::Resume);
+        assert!("Resume".parse::<Mode>().is_err());
+        assert!("".parse::<Mode>().is_err());
+    }
+}
