@@ -1,1 +1,19 @@
-pub fn x(){}
+//! mps-resilient node agent. Data path: intake (`backend`, `intake`, `kmsg`) -> `event` correlation ->
+//! `xid` classification -> `decide` -> `agent` actions (`mps` terminate_client, `slurm` requeue/drain,
+//! resume board). `server` + `handlers` serve the plugin and `mpsrctl`; `registry` + `persist` keep jobs.
+
+pub mod agent;
+pub mod backend;
+pub mod config;
+pub mod decide;
+pub mod event;
+pub mod handlers;
+pub mod intake;
+pub mod kmsg;
+pub mod logging;
+pub mod mps;
+pub mod persist;
+pub mod registry;
+pub mod server;
+pub mod slurm;
+pub mod xid;

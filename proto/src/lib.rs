@@ -7,7 +7,7 @@
 //! This crate is deliberately small (serde + libc) so the plugin does not link the agent's dependencies.
 
 mod client;
-mod frame;
+pub mod frame;
 
 pub use client::{Client, ClientError};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
@@ -121,6 +121,8 @@ pub enum Request {
     },
     /// Bring a simulated lost GPU back (models a GPU reset; sim backend only).
     SimRecover { gpu: u32 },
+    /// Mark a GPU healthy again after an operator fixed it (trusted callers only).
+    ClearGpu { gpu: u32 },
 }
 
 /// MPS server state as the agent sees it.
@@ -198,6 +200,9 @@ pub struct DecisionRecord {
     pub actions: Vec<String>,
     /// Microseconds from first signal to decision.
     pub decide_us: u64,
+    /// What happened afterwards (server back to ACTIVE, Slurm action results), appended as it happens.
+    #[serde(default)]
+    pub outcome: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

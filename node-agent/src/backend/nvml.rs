@@ -1,0 +1,267 @@
+//! Real GPUs: NVML (loaded at run time by nvml-wrapper) for devices and Xid events, and one real
+//! `nvidia-cuda-mps-control` daemon per GPU.
+
+use super::{BackendError, GpuBackend, GpuInfo};
+use crate::config::Config;
+use crate::event::{GpuRef, Signal, Source};
+use crate::kmsg::PciAddr;
+use crate::mps::MpsDaemon;
+use mpsr_proto::ServerState;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+use std::path::Path;
+use std::sync::mpsc::Sender;
+use std::time::Duration;
+
+pub struct NvmlBackend {
+    nvml: &'static Nvml,
+    gpus: Vec<GpuInfo>,
+    daemons: Vec<MpsDaemon>,
+    thread_pct: u8,
+    mem_limit: String,
+    kmsg: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    mps_logs: bool,
+}
+
+/// What works on this node, for `mpsr-agent --self-check`.
+pub fn self_check(cfg: &Config) -> Vec<(String, Result<String, String>)> {
+    let mut out = Vec::new();
+    let nvml = Nvml::init();
+    match &nvml {
+        Ok(n) => {
+            out.push((
+                "NVML".into(),
+                n.sys_driver_version()
+                    .map(|v| format!("driver {v}"))
+                    .map_err(|e| e.to_string()),
+            ));
+            match n.device_count() {
+                Ok(c) => {
+                    for i in 0..c {
+                        let d = n.device_by_index(i);
+                        out.push((
+                            format!("GPU {i}"),
+                            d.and_then(|d| Ok(format!("{} {} {}", d.name()?, d.uuid()?, d.pci_info()?.bus_id)))
+                                .map_err(|e| e.to_string()),
+                        ));
+                    }
+                }
+                Err(e) => out.push(("GPU count".into(), Err(e.to_string()))),
+            }
+        }
+        Err(e) => out.push(("NVML".into(), Err(format!("{e} (is libnvidia-ml.so.1 installed?)")))),
+    }
+    let bin = &cfg.mps.control_binary;
+    let found = which(bin);
+    out.push((
+        "nvidia-cuda-mps-control".into(),
+        found.map(|p| p.display().to_string()).ok_or_else(|| format!("{} not found in PATH", bin.display())),
+    ));
+    out.push((
+        "kernel log".into(),
+        std::fs::File::open(&cfg.faults.kmsg_path)
+            .map(|_| format!("{} readable", cfg.faults.kmsg_path.display()))
+            .map_err(|e| format!("{}: {e}", cfg.faults.kmsg_path.display())),
+    ));
+    out
+}
+
+fn which(bin: &Path) -> Option<std::path::PathBuf> {
+    if bin.is_absolute() {
+        return bin.exists().then(|| bin.to_path_buf());
+    }
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(bin))
+        .find(|p| p.exists())
+}
+
+impl NvmlBackend {
+    pub fn new(cfg: &Config) -> Result<NvmlBackend, BackendError> {
+        let nvml = Nvml::init().map_err(|e| BackendError::Nvml(format!("init: {e}")))?;
+        // The agent keeps NVML for its whole life; leaking one handle gives threads a 'static borrow.
+        let nvml: &'static Nvml = Box::leak(Box::new(nvml));
+        let n = nvml.device_count().map_err(|e| BackendError::Nvml(e.to_string()))?;
+        let mut gpus = Vec::new();
+        let mut daemons = Vec::new();
+        for i in 0..n {
+            let d = nvml
+                .device_by_index(i)
+                .map_err(|e| BackendError::Nvml(format!("device {i}: {e}")))?;
+            let uuid = d.uuid().map_err(|e| BackendError::Nvml(e.to_string()))?;
+            let bus = d.pci_info().map_err(|e| BackendError::Nvml(e.to_string()))?.bus_id;
+            let pci = PciAddr::parse(&bus)
+                .ok_or_else(|| BackendError::Nvml(format!("unparsable PCI bus id {bus}")))?;
+            let pipe = crate::mps::pipe_dir(&cfg.run_dir, i);
+            let log = crate::mps::log_dir(&cfg.run_dir, i);
+            gpus.push(GpuInfo {
+                index: i,
+                uuid: uuid.clone(),
+                pci,
+                pipe_dir: pipe.display().to_string(),
+                log_dir: log.display().to_string(),
+            });
+            daemons.push(MpsDaemon {
+                gpu: i,
+                uuid,
+                pipe_dir: pipe,
+                log_dir: log,
+                binary: cfg.mps.control_binary.clone(),
+                multiuser: cfg.mps.multiuser,
+                timeout: Duration::from_millis(cfg.mps.command_timeout_ms),
+            });
+        }
+        Ok(NvmlBackend {
+            nvml,
+            gpus,
+            daemons,
+            thread_pct: cfg.mps.default_thread_pct,
+            mem_limit: cfg.mps.default_pinned_mem_limit.clone(),
+            kmsg: cfg
+                .faults
+                .kmsg
+                .then(|| (cfg.faults.kmsg_path.clone(), cfg.state_dir.join("kmsg-cursor.json"))),
+            mps_logs: cfg.faults.mps_logs,
+        })
+    }
+
+    fn daemon(&self, gpu: u32) -> Result<&MpsDaemon, BackendError> {
+        self.daemons.get(gpu as usize).ok_or(BackendError::NoSuchGpu(gpu))
+    }
+
+    fn xid_loop(nvml: &'static Nvml, n: u32, tx: Sender<Signal>) {
+        let set = (|| -> Result<_, String> {
+            let mut set = nvml.create_event_set().map_err(|e| e.to_string())?;
+            for i in 0..n {
+                let d = nvml.device_by_index(i).map_err(|e| e.to_string())?;
+                set = d
+                    .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(set)
+        })();
+        let set = match set {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot register NVML Xid events; relying on the kernel log");
+                return;
+            }
+        };
+        loop {
+            // Bounded wait so the thread notices errors and never blocks forever in the driver.
+            match set.wait(1000) {
+                Ok(ev) => {
+                    let idx = ev.device.index().unwrap_or(u32::MAX);
+                    let xid = match ev.event_data {
+                        Some(XidError::Value(v)) => v as u32,
+                        _ => 0,
+                    };
+                    let mut s = Signal::new(Source::Nvml, GpuRef::Index(idx), Some(xid));
+                    s.detail = "NVML XidCriticalError".into();
+                    if tx.send(s).is_err() {
+                        return;
+                    }
+                }
+                Err(NvmlError::Timeout) => {}
+                Err(NvmlError::GpuLost) => {
+                    // Which GPU is lost is not said here; find it and report it as Xid 79.
+                    for i in 0..n {
+                        if matches!(nvml.device_by_index(i).and_then(|d| d.uuid()), Err(NvmlError::GpuLost)) {
+                            let mut s = Signal::new(Source::Nvml, GpuRef::Index(i), Some(79));
+                            s.detail = "NVML: GPU is lost".into();
+                            let _ = tx.send(s);
+                        }
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "NVML event wait failed");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+    fn simulated(&self) -> bool {
+        false
+    }
+    fn gpus(&self) -> &[GpuInfo] {
+        &self.gpus
+    }
+
+    fn start(&self, tx: Sender<Signal>) -> Result<(), BackendError> {
+        for d in &self.daemons {
+            d.start().map_err(|e| BackendError::Mps { gpu: d.gpu, message: e.to_string() })?;
+            d.set_defaults(self.thread_pct, &self.mem_limit)
+                .map_err(|e| BackendError::Mps { gpu: d.gpu, message: e.to_string() })?;
+            if self.mps_logs {
+                crate::intake::spawn_control_log_tail(d.gpu, d.control_log(), tx.clone());
+            }
+        }
+        let nvml = self.nvml;
+        let n = self.gpus.len() as u32;
+        let t = tx.clone();
+        std::thread::Builder::new()
+            .name("nvml-xid".into())
+            .spawn(move || NvmlBackend::xid_loop(nvml, n, t))?;
+        if let Some((path, cursor)) = &self.kmsg {
+            if let Err(e) = crate::intake::spawn_kmsg_reader(path.clone(), cursor.clone(), tx) {
+                tracing::warn!(error = %e, path = %path.display(), "kernel log not readable; NVML events only");
+            }
+        }
+        Ok(())
+    }
+
+    fn server_state(&self, gpu: u32) -> ServerState {
+        match self.daemon(gpu) {
+            Ok(d) => d.state(),
+            Err(_) => ServerState::Down,
+        }
+    }
+
+    fn clients(&self, gpu: u32) -> Vec<u32> {
+        let Ok(d) = self.daemon(gpu) else { return vec![] };
+        let Ok(servers) = d.server_list() else { return vec![] };
+        servers
+            .iter()
+            .flat_map(|s| d.client_list(*s).unwrap_or_default())
+            .collect()
+    }
+
+    fn terminate_client(&self, gpu: u32, pid: u32) -> Result<(), BackendError> {
+        let d = self.daemon(gpu)?;
+        let servers = d.server_list().map_err(|e| BackendError::Mps { gpu, message: e.to_string() })?;
+        for s in servers {
+            let clients = d.client_list(s).unwrap_or_default();
+            if clients.contains(&pid) {
+                return d
+                    .terminate_client(s, pid)
+                    .map_err(|e| BackendError::Mps { gpu, message: e.to_string() });
+            }
+        }
+        Ok(())
+    }
+
+    fn probe_healthy(&self, gpu: u32) -> bool {
+        self.nvml
+            .device_by_index(gpu)
+            .and_then(|d| d.uuid())
+            .is_ok()
+    }
+
+    fn shutdown(&self) {
+        for d in &self.daemons {
+            if let Err(e) = d.quit() {
+                tracing::warn!(gpu = d.gpu, error = %e, "MPS control daemon quit failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,421 @@
+//! Agent configuration (`/etc/mps-resilient/agent.toml`). Every key is documented with its default in
+//! `etc/agent.toml`; unknown keys and bad values are rejected at start with the key named.
+
+use crate::xid::{BlastRadius, ClassPolicy, FaultClass, JobAction};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_PATH: &str = "/etc/mps-resilient/agent.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {path}: key `{key}`: {message}")]
+    Value {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    Nvml,
+    Sim,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub backend: Backend,
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
+    /// Slurm node name used in drain/resume; empty = short hostname.
+    pub node_name: String,
+    /// Uids allowed to act on any job (root is always trusted).
+    pub trusted_uids: Vec<u32>,
+    /// Slurm's SlurmUser, trusted like root; resolved at start. Empty = none.
+    pub slurm_user: String,
+    pub log: LogConfig,
+    pub slurm: SlurmConfig,
+    pub mps: MpsConfig,
+    pub faults: FaultConfig,
+    pub sim: SimConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `stderr`, `syslog` (journald picks syslog up), or `auto` (syslog when not on a terminal).
+    pub target: String,
+    /// tracing filter, e.g. `info` or `mpsr_agent=debug`.
+    pub level: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SlurmConfig {
+    pub scontrol: PathBuf,
+    /// Passed as SLURM_CONF to scontrol when set.
+    pub slurm_conf: Option<PathBuf>,
+    pub timeout_ms: u64,
+    pub max_attempts: u32,
+    pub retry_backoff_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MpsConfig {
+    pub control_binary: PathBuf,
+    /// `-multiuser-server`: one server for all users. A fault then also kills other users' clients.
+    pub multiuser: bool,
+    pub default_thread_pct: u8,
+    /// e.g. "16G"; empty = no limit.
+    pub default_pinned_mem_limit: String,
+    pub command_timeout_ms: u64,
+    pub health_interval_ms: u64,
+    /// After a fault, clients still attached after this long are ended with `terminate_client` so the
+    /// server can return to ACTIVE.
+    pub fault_grace_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultConfig {
+    /// Signals of one GPU within this window are one fault.
+    pub correlation_window_ms: u64,
+    pub kmsg: bool,
+    pub kmsg_path: PathBuf,
+    /// Tail each GPU's MPS control.log.
+    pub mps_logs: bool,
+    pub history: usize,
+    /// Xid -> class name, e.g. { "63" = "hw_contained" }.
+    pub xid_classes: BTreeMap<String, String>,
+    /// class name -> policy, e.g. [faults.policy.app_sm] radius="gpu" action="recover" drain=false isolatable=false
+    pub policy: BTreeMap<String, ClassPolicy>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimConfig {
+    pub gpus: u32,
+    /// Model the driver patch: memory faults are contained to the culprit and an isolation line names it.
+    pub isolation: bool,
+    /// Time for a FAULT server to become ACTIVE after its last faulting client left (measured ~0.2 s).
+    pub recovery_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            backend: Backend::Nvml,
+            socket: "/run/mps-resilient/agent.sock".into(),
+            state_dir: "/var/lib/mps-resilient".into(),
+            run_dir: "/run/mps-resilient".into(),
+            node_name: String::new(),
+            trusted_uids: vec![0],
+            slurm_user: "slurm".into(),
+            log: LogConfig::default(),
+            slurm: SlurmConfig::default(),
+            mps: MpsConfig::default(),
+            faults: FaultConfig::default(),
+            sim: SimConfig::default(),
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            target: "auto".into(),
+            level: "info".into(),
+        }
+    }
+}
+
+impl Default for SlurmConfig {
+    fn default() -> Self {
+        SlurmConfig {
+            scontrol: "scontrol".into(),
+            slurm_conf: None,
+            timeout_ms: 10_000,
+            max_attempts: 8,
+            retry_backoff_ms: 500,
+        }
+    }
+}
+
+impl Default for MpsConfig {
+    fn default() -> Self {
+        MpsConfig {
+            control_binary: "nvidia-cuda-mps-control".into(),
+            multiuser: false,
+            default_thread_pct: 100,
+            default_pinned_mem_limit: String::new(),
+            command_timeout_ms: 3_000,
+            health_interval_ms: 1_000,
+            fault_grace_ms: 2_000,
+        }
+    }
+}
+
+impl Default for FaultConfig {
+    fn default() -> Self {
+        FaultConfig {
+            correlation_window_ms: 500,
+            kmsg: true,
+            kmsg_path: "/dev/kmsg".into(),
+            mps_logs: true,
+            history: 1000,
+            xid_classes: BTreeMap::new(),
+            policy: BTreeMap::new(),
+        }
+    }
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            gpus: 2,
+            isolation: false,
+            recovery_ms: 200,
+        }
+    }
+}
+
+/// Parses a size like `900M`, `16G`, `1024` (bytes). Used by the agent and mirrored by the plugin.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (s, 1u64),
+        Some((i, _)) => {
+            let m = match s[i..].to_ascii_uppercase().trim_end_matches('B') {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                "T" => 1 << 40,
+                _ => return None,
+            };
+            (&s[..i], m)
+        }
+    };
+    num.parse::<u64>().ok()?.checked_mul(mult).filter(|v| *v > 0)
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string().trim().replace('\n', " "),
+        })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let bad = |key: &str, message: String| ConfigError::Value {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            message,
+        };
+        if !(1..=100).contains(&self.mps.default_thread_pct) {
+            return Err(bad(
+                "mps.default_thread_pct",
+                format!("{} is not in 1..=100", self.mps.default_thread_pct),
+            ));
+        }
+        if !self.mps.default_pinned_mem_limit.is_empty()
+            && parse_size(&self.mps.default_pinned_mem_limit).is_none()
+        {
+            return Err(bad(
+                "mps.default_pinned_mem_limit",
+                format!(
+                    "'{}' is not a size like 900M or 16G",
+                    self.mps.default_pinned_mem_limit
+                ),
+            ));
+        }
+        for (key, v) in [
+            ("slurm.timeout_ms", self.slurm.timeout_ms),
+            ("mps.command_timeout_ms", self.mps.command_timeout_ms),
+            ("mps.health_interval_ms", self.mps.health_interval_ms),
+            ("faults.correlation_window_ms", self.faults.correlation_window_ms),
+        ] {
+            if v == 0 || v > 600_000 {
+                return Err(bad(key, format!("{v} is not in 1..=600000")));
+            }
+        }
+        if self.slurm.max_attempts == 0 {
+            return Err(bad("slurm.max_attempts", "must be at least 1".into()));
+        }
+        if self.faults.history == 0 || self.faults.history > 1_000_000 {
+            return Err(bad("faults.history", "must be in 1..=1000000".into()));
+        }
+        if !["auto", "stderr", "syslog"].contains(&self.log.target.as_str()) {
+            return Err(bad(
+                "log.target",
+                format!("'{}': expected auto, stderr or syslog", self.log.target),
+            ));
+        }
+        if self.backend == Backend::Sim && !(1..=64).contains(&self.sim.gpus) {
+            return Err(bad("sim.gpus", format!("{} is not in 1..=64", self.sim.gpus)));
+        }
+        for rel in [&self.socket, &self.state_dir, &self.run_dir] {
+            if !rel.is_absolute() {
+                return Err(bad(
+                    "socket/state_dir/run_dir",
+                    format!("{} is not an absolute path", rel.display()),
+                ));
+            }
+        }
+        self.xid_overrides(path)?;
+        self.policy_overrides(path)?;
+        Ok(())
+    }
+
+    pub fn xid_overrides(&self, path: &Path) -> Result<BTreeMap<u32, FaultClass>, ConfigError> {
+        let mut out = BTreeMap::new();
+        for (k, v) in &self.faults.xid_classes {
+            let key = format!("faults.xid_classes.{k}");
+            let xid: u32 = k.parse().map_err(|_| ConfigError::Value {
+                path: path.to_path_buf(),
+                key: key.clone(),
+                message: "not an Xid number".into(),
+            })?;
+            let class = FaultClass::from_name(v).ok_or_else(|| ConfigError::Value {
+                path: path.to_path_buf(),
+                key: key.clone(),
+                message: format!("unknown class '{v}'"),
+            })?;
+            out.insert(xid, class);
+        }
+        Ok(out)
+    }
+
+    pub fn policy_overrides(
+        &self,
+        path: &Path,
+    ) -> Result<BTreeMap<FaultClass, ClassPolicy>, ConfigError> {
+        let mut out = BTreeMap::new();
+        for (k, p) in &self.faults.policy {
+            let key = format!("faults.policy.{k}");
+            let class = FaultClass::from_name(k).ok_or_else(|| ConfigError::Value {
+                path: path.to_path_buf(),
+                key: key.clone(),
+                message: "unknown class".into(),
+            })?;
+            // Draining a node for an application's bug would let any user take nodes out of service.
+            if p.drain && !class.is_hardware() {
+                return Err(ConfigError::Value {
+                    path: path.to_path_buf(),
+                    key: format!("{key}.drain"),
+                    message: "only hardware classes may drain the node".into(),
+                });
+            }
+            if p.radius == BlastRadius::None && p.action != JobAction::None {
+                return Err(ConfigError::Value {
+                    path: path.to_path_buf(),
+                    key: format!("{key}.action"),
+                    message: "an action needs radius = \"gpu\"".into(),
+                });
+            }
+            out.insert(class, *p);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(t: &str) -> Result<Config, ConfigError> {
+        Config::parse(t, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn shipped_example_parses_and_equals_defaults() {
+        let text = include_str!("../../etc/agent.toml");
+        let c = parse(text).expect("etc/agent.toml must parse");
+        let d = Config::default();
+        assert_eq!(c.socket, d.socket);
+        assert_eq!(c.mps.fault_grace_ms, d.mps.fault_grace_ms);
+        assert_eq!(c.faults.correlation_window_ms, d.faults.correlation_window_ms);
+        assert_eq!(c.sim.recovery_ms, d.sim.recovery_ms);
+        assert_eq!(c.slurm.max_attempts, d.slurm.max_attempts);
+    }
+
+    #[test]
+    fn unknown_key_named() {
+        let e = parse("bakend = \"sim\"\n").unwrap_err().to_string();
+        assert!(e.contains("bakend"), "{e}");
+        let e = parse("[mps]\nthreads = 3\n").unwrap_err().to_string();
+        assert!(e.contains("threads"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_named() {
+        let e = parse("backend = \"cuda\"\n").unwrap_err().to_string();
+        assert!(e.contains("cuda"), "{e}");
+        let e = parse("[mps]\ndefault_thread_pct = 0\n").unwrap_err().to_string();
+        assert!(e.contains("mps.default_thread_pct"), "{e}");
+        let e = parse("[mps]\ndefault_pinned_mem_limit = \"12Q\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("default_pinned_mem_limit"), "{e}");
+        let e = parse("[faults.xid_classes]\n\"31\" = \"scary\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("faults.xid_classes.31"), "{e}");
+        let e = parse("socket = \"rel.sock\"\n").unwrap_err().to_string();
+        assert!(e.contains("absolute"), "{e}");
+        let e = parse("[faults.policy.app_sm]\nradius=\"gpu\"\naction=\"recover\"\ndrain=true\nisolatable=false\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("faults.policy.app_sm.drain"), "{e}");
+        let e = parse("[slurm]\ntimeout_ms = 0\n").unwrap_err().to_string();
+        assert!(e.contains("slurm.timeout_ms"), "{e}");
+        assert!(parse("this is = not toml [").is_err());
+    }
+
+    #[test]
+    fn overrides_parse() {
+        let c = parse("[faults.xid_classes]\n\"63\" = \"hw_contained\"\n[faults.policy.app_sm]\nradius=\"gpu\"\naction=\"requeue_only\"\ndrain=false\nisolatable=false\n").unwrap();
+        let p = Path::new("x");
+        assert_eq!(c.xid_overrides(p).unwrap()[&63], FaultClass::HwContained);
+        assert_eq!(
+            c.policy_overrides(p).unwrap()[&FaultClass::AppSm].action,
+            JobAction::RequeueOnly
+        );
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("900M"), Some(900 << 20));
+        assert_eq!(parse_size("16G"), Some(16 << 30));
+        assert_eq!(parse_size("16GB"), Some(16 << 30));
+        assert_eq!(parse_size("1024"), Some(1024));
+        assert_eq!(parse_size("0"), None);
+        assert_eq!(parse_size("G"), None);
+        assert_eq!(parse_size("-1G"), None);
+        assert_eq!(parse_size("99999999999T"), None);
+    }
+}

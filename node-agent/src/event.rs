@@ -1,0 +1,245 @@
+//! Raw fault signals from each intake source, and their correlation into one fault event.
+
+use crate::kmsg::PciAddr;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Source {
+    Nvml,
+    Kmsg,
+    MpsLog,
+    ClientExit,
+    /// The driver patch's isolation line.
+    Isolation,
+    Sim,
+}
+
+impl Source {
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Nvml => "nvml",
+            Source::Kmsg => "kmsg",
+            Source::MpsLog => "mps_log",
+            Source::ClientExit => "client_exit",
+            Source::Isolation => "isolation",
+            Source::Sim => "sim",
+        }
+    }
+}
+
+/// Where a signal says the fault happened: NVML knows the index, the kernel log only the PCI address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuRef {
+    Index(u32),
+    Pci(PciAddr),
+}
+
+#[derive(Debug, Clone)]
+pub struct Signal {
+    pub source: Source,
+    pub gpu: GpuRef,
+    /// `None` for signals without an Xid (a FAULT line in an MPS log, a client exit).
+    pub xid: Option<u32>,
+    /// The pid the source printed (unreliable under MPS).
+    pub reported_pid: Option<u32>,
+    /// Set only by an isolation source: the process that really faulted, and whether it was contained.
+    pub culprit: Option<(u32, bool)>,
+    pub secondary: bool,
+    pub detail: String,
+    pub at: Instant,
+    pub at_ms: u64,
+}
+
+impl Signal {
+    pub fn new(source: Source, gpu: GpuRef, xid: Option<u32>) -> Signal {
+        Signal {
+            source,
+            gpu,
+            xid,
+            reported_pid: None,
+            culprit: None,
+            secondary: false,
+            detail: String::new(),
+            at: Instant::now(),
+            at_ms: now_ms(),
+        }
+    }
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// One fault on one GPU, merged from every signal seen within the correlation window.
+#[derive(Debug, Clone)]
+pub struct FaultEvent {
+    pub id: u64,
+    pub gpu: u32,
+    pub xids: Vec<u32>,
+    pub sources: BTreeSet<Source>,
+    pub reported_pid: Option<u32>,
+    pub culprit: Option<u32>,
+    /// The isolation source says the fault was contained to the culprit.
+    pub contained: bool,
+    pub first: Instant,
+    pub first_ms: u64,
+    pub last: Instant,
+    pub detail: String,
+}
+
+impl FaultEvent {
+    fn from_signal(id: u64, gpu: u32, s: &Signal) -> FaultEvent {
+        let mut e = FaultEvent {
+            id,
+            gpu,
+            xids: Vec::new(),
+            sources: BTreeSet::new(),
+            reported_pid: None,
+            culprit: None,
+            contained: false,
+            first: s.at,
+            first_ms: s.at_ms,
+            last: s.at,
+            detail: String::new(),
+        };
+        e.absorb(s);
+        e
+    }
+
+    fn absorb(&mut self, s: &Signal) {
+        if let Some(x) = s.xid {
+            if !self.xids.contains(&x) {
+                self.xids.push(x);
+            }
+        }
+        self.sources.insert(s.source);
+        if self.reported_pid.is_none() {
+            self.reported_pid = s.reported_pid;
+        }
+        if let Some((pid, contained)) = s.culprit {
+            self.culprit = Some(pid);
+            self.contained = contained;
+        }
+        if self.detail.is_empty() && !s.detail.is_empty() {
+            self.detail = s.detail.clone();
+        }
+        if s.at > self.last {
+            self.last = s.at;
+        }
+    }
+}
+
+/// What merging a signal did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Merge {
+    /// A new fault started (its id).
+    New(u64),
+    /// Added to an open fault; `changed` is true when it brought a new Xid or culprit.
+    Joined { id: u64, changed: bool },
+    /// The signal has no Xid and no open fault to join (e.g. a stray client exit): not a fault.
+    Ignored,
+}
+
+/// Dedupes signals into faults: same GPU within `window` of the fault's latest signal.
+pub struct Correlator {
+    window: Duration,
+    open: Vec<FaultEvent>,
+}
+
+impl Correlator {
+    pub fn new(window: Duration) -> Self {
+        Correlator {
+            window,
+            open: Vec::new(),
+        }
+    }
+
+    pub fn merge(&mut self, gpu: u32, s: &Signal, next_id: impl FnOnce() -> u64) -> Merge {
+        let window = self.window;
+        self.open
+            .retain(|e| s.at.saturating_duration_since(e.last) <= window);
+        if let Some(e) = self.open.iter_mut().find(|e| e.gpu == gpu) {
+            let before = (e.xids.len(), e.culprit);
+            e.absorb(s);
+            let changed = (e.xids.len(), e.culprit) != before;
+            return Merge::Joined { id: e.id, changed };
+        }
+        if s.xid.is_none() && s.culprit.is_none() {
+            return Merge::Ignored;
+        }
+        let id = next_id();
+        self.open.push(FaultEvent::from_signal(id, gpu, s));
+        Merge::New(id)
+    }
+
+    pub fn get(&self, id: u64) -> Option<&FaultEvent> {
+        self.open.iter().find(|e| e.id == id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sig(src: Source, xid: Option<u32>, at: Instant) -> Signal {
+        let mut s = Signal::new(src, GpuRef::Index(0), xid);
+        s.at = at;
+        s
+    }
+
+    #[test]
+    fn nvml_and_kmsg_of_one_fault_merge() {
+        let mut c = Correlator::new(Duration::from_millis(500));
+        let t = Instant::now();
+        let mut n = 0;
+        let mut id = || {
+            n += 1;
+            n
+        };
+        assert_eq!(c.merge(0, &sig(Source::Nvml, Some(31), t), &mut id), Merge::New(1));
+        let mut k = sig(Source::Kmsg, Some(31), t + Duration::from_millis(3));
+        k.reported_pid = Some(494);
+        assert_eq!(
+            c.merge(0, &k, &mut id),
+            Merge::Joined {
+                id: 1,
+                changed: false
+            }
+        );
+        let e = c.get(1).unwrap();
+        assert_eq!(e.xids, vec![31]);
+        assert_eq!(e.reported_pid, Some(494));
+        assert_eq!(e.sources.len(), 2);
+        // Xid 13 then 43 (misaligned store) are one fault.
+        assert_eq!(
+            c.merge(0, &sig(Source::Kmsg, Some(43), t + Duration::from_millis(5)), &mut id),
+            Merge::Joined { id: 1, changed: true }
+        );
+    }
+
+    #[test]
+    fn other_gpu_or_later_is_new() {
+        let mut c = Correlator::new(Duration::from_millis(500));
+        let t = Instant::now();
+        let mut n = 0;
+        let mut id = || {
+            n += 1;
+            n
+        };
+        c.merge(0, &sig(Source::Nvml, Some(31), t), &mut id);
+        assert_eq!(c.merge(1, &sig(Source::Nvml, Some(31), t), &mut id), Merge::New(2));
+        assert_eq!(
+            c.merge(0, &sig(Source::Nvml, Some(31), t + Duration::from_secs(2)), &mut id),
+            Merge::New(3)
+        );
+        // A client exit alone is not a fault.
+        assert_eq!(
+            c.merge(5, &sig(Source::ClientExit, None, t + Duration::from_secs(2)), &mut id),
+            Merge::Ignored
+        );
+    }
+}

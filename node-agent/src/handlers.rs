@@ -1,0 +1,267 @@
+//! One function per request. Authorization rule: a caller may touch only jobs of its own uid
+//! (SO_PEERCRED); root and configured trusted uids (SlurmUser) may touch all.
+
+use crate::agent::Agent;
+use crate::registry::{procfs, Task};
+use crate::server::PeerCred;
+use mpsr_proto::{
+    DecisionRecord, ErrorCode, GpuContext, GpuStatus, HealthReply, JobReport, Registration,
+    Request, Response, StatusReply,
+};
+
+fn denied(msg: impl Into<String>) -> Response {
+    Response::error(ErrorCode::PermissionDenied, msg)
+}
+
+pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
+    let trusted = agent.is_trusted(peer.uid);
+    match req {
+        Request::Hello { .. } => Response::Hello {
+            version: mpsr_proto::PROTOCOL_VERSION,
+            node: agent.node.clone(),
+            simulated: agent.backend.simulated(),
+        },
+        Request::GpuContexts { gpus } => gpu_contexts(agent, &gpus),
+        Request::Register(r) => register(agent, peer, trusted, r),
+        Request::Deregister {
+            job_id,
+            step_id,
+            pid,
+            exit_status,
+        } => {
+            let mut st = agent.state();
+            let Some(t) = st.d.registry.get((job_id, step_id, pid)).cloned() else {
+                return Response::error(ErrorCode::NotFound, format!("task {job_id}.{step_id} pid {pid} is not registered"));
+            };
+            if !trusted && t.uid != peer.uid {
+                return denied(format!("job {job_id} belongs to another user"));
+            }
+            st.d.registry.remove((job_id, step_id, pid));
+            drop(st);
+            agent.client_exit_signal(&t.gpus, exit_status);
+            let g = agent.mark_dirty();
+            agent.wait_durable(g);
+            Response::Ok
+        }
+        Request::JobEnd { job_id } => {
+            if !trusted {
+                return denied("job end is reported by the epilog (root) only");
+            }
+            let mut st = agent.state();
+            st.d.registry.remove_job(job_id);
+            let prefix = format!("{job_id}.");
+            st.d.resume.retain(|k, _| !k.starts_with(&prefix));
+            let rep = job_report(&st.history, &st.d.outcomes, job_id);
+            drop(st);
+            agent.mark_dirty();
+            Response::JobReport(rep)
+        }
+        Request::Status => status(agent, peer, trusted),
+        Request::Events { limit } => {
+            let st = agent.state();
+            let own = st.d.registry.tasks().filter(|t| t.uid == peer.uid).map(|t| t.job_id).collect::<std::collections::BTreeSet<_>>();
+            let mut events: Vec<DecisionRecord> = st
+                .history
+                .iter()
+                .rev()
+                .filter_map(|r| {
+                    if trusted {
+                        return Some(r.clone());
+                    }
+                    // Others' job ids are not shown to a user.
+                    let mut r = r.clone();
+                    r.hit_jobs.retain(|j| own.contains(j));
+                    r.spared_jobs.retain(|j| own.contains(j));
+                    (!r.hit_jobs.is_empty() || !r.spared_jobs.is_empty()).then(|| {
+                        r.actions.clear();
+                        r
+                    })
+                })
+                .take(limit.clamp(1, 10_000) as usize)
+                .collect();
+            events.reverse();
+            Response::Events { events }
+        }
+        Request::JobReport { job_id } => {
+            let st = agent.state();
+            let owner = st.d.registry.job_owner(job_id);
+            if !trusted && owner != Some(peer.uid) {
+                return denied(format!("job {job_id} is not a registered job of uid {}", peer.uid));
+            }
+            Response::JobReport(job_report(&st.history, &st.d.outcomes, job_id))
+        }
+        Request::ResumeQuery {
+            job_id,
+            step_id,
+            pid,
+        } => {
+            let key = format!("{job_id}.{step_id}.{pid}");
+            {
+                let st = agent.state();
+                let owner = st.d.registry.get((job_id, step_id, pid)).map(|t| t.uid);
+                if !trusted && owner != Some(peer.uid) {
+                    return denied(format!("task {key} is not a registered task of uid {}", peer.uid));
+                }
+            }
+            let (verdict, reason) = agent.resume_verdict(&key);
+            Response::Resume { verdict, reason }
+        }
+        Request::Health => health(agent),
+        Request::SimInject { gpu, xid, culprit } => {
+            if !trusted {
+                return denied("fault injection is for root only");
+            }
+            match agent.backend.sim_inject(gpu, xid, culprit) {
+                Ok(killed) => Response::Injected {
+                    fault_id_hint: agent.state().d.next_fault_id + 1,
+                    killed,
+                },
+                Err(e) => Response::error(ErrorCode::Unsupported, e.to_string()),
+            }
+        }
+        Request::SimRecover { gpu } => {
+            if !trusted {
+                return denied("GPU recovery is for root only");
+            }
+            match agent.backend.sim_recover(gpu) {
+                Ok(()) => Response::Ok,
+                Err(e) => Response::error(ErrorCode::Unsupported, e.to_string()),
+            }
+        }
+        Request::ClearGpu { gpu } => {
+            if !trusted {
+                return denied("clearing a GPU is for root only");
+            }
+            let removed = agent.state().d.unhealthy.remove(&gpu);
+            agent.mark_dirty();
+            match removed {
+                Some(_) => Response::Ok,
+                None => Response::error(ErrorCode::NotFound, format!("gpu{gpu} is not marked unhealthy")),
+            }
+        }
+    }
+}
+
+fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
+    let mut out = Vec::new();
+    for g in gpus {
+        let Some(info) = agent.backend.gpus().get(*g as usize) else {
+            return Response::error(ErrorCode::NotFound, format!("no GPU {g} on node {}", agent.node));
+        };
+        out.push(GpuContext {
+            gpu: *g,
+            uuid: info.uuid.clone(),
+            pipe_dir: info.pipe_dir.clone(),
+            log_dir: info.log_dir.clone(),
+            state: agent.backend.server_state(*g),
+        });
+    }
+    Response::GpuContexts { contexts: out }
+}
+
+fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Response {
+    let uid = match (trusted, r.uid) {
+        (true, u) => u.unwrap_or(peer.uid),
+        (false, Some(u)) if u != peer.uid => {
+            tracing::warn!(peer_uid = peer.uid, claimed_uid = u, job = r.job_id, "registration with a false uid refused");
+            return denied(format!("uid {u} claimed, but the caller is uid {}", peer.uid));
+        }
+        (false, _) => peer.uid,
+    };
+    if r.gpus.is_empty() {
+        return Response::error(ErrorCode::BadRequest, "no GPUs given");
+    }
+    if let Some(g) = r.gpus.iter().find(|g| **g as usize >= agent.backend.gpus().len()) {
+        return Response::error(ErrorCode::NotFound, format!("no GPU {g} on node {}", agent.node));
+    }
+    if r.threads_pct.is_some_and(|p| p == 0 || p > 100) {
+        return Response::error(ErrorCode::BadRequest, "threads_pct must be in 1..=100");
+    }
+    let Some(start) = procfs::start_ticks(r.pid) else {
+        return Response::error(ErrorCode::NotFound, format!("no process {}", r.pid));
+    };
+    if !trusted && procfs::uid(r.pid) != Some(peer.uid) {
+        return denied(format!("process {} does not belong to uid {}", r.pid, peer.uid));
+    }
+    let task = Task::from_registration(&r, uid, Some(start));
+    let gen = {
+        let mut st = agent.state();
+        if let Err(e) = st.d.registry.register(task) {
+            return denied(e.to_string());
+        }
+        agent.mark_dirty()
+    };
+    // Reply only once the registration is on disk: an agent crash right after loses nothing.
+    if !agent.wait_durable(gen) {
+        return Response::error(ErrorCode::Internal, "registration not yet persisted (state dir slow?)");
+    }
+    Response::Ok
+}
+
+fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
+    let (tasks, pending, unhealthy) = {
+        let st = agent.state();
+        (
+            st.d.registry
+                .tasks()
+                .filter(|t| trusted || t.uid == peer.uid)
+                .map(|t| t.status())
+                .collect::<Vec<_>>(),
+            st.d.pending.len() as u32,
+            st.d.unhealthy.clone(),
+        )
+    };
+    let gpus = agent
+        .backend
+        .gpus()
+        .iter()
+        .map(|g| GpuStatus {
+            gpu: g.index,
+            uuid: g.uuid.clone(),
+            pci_bus_id: g.pci.to_string(),
+            state: agent.backend.server_state(g.index),
+            // Client pids of other users are not shown to a user.
+            clients: if trusted { agent.backend.clients(g.index) } else { vec![] },
+            unhealthy: unhealthy.get(&g.index).map(|(_, r)| r.clone()),
+        })
+        .collect();
+    Response::Status(StatusReply {
+        node: agent.node.clone(),
+        backend: agent.backend.name().into(),
+        simulated: agent.backend.simulated(),
+        gpus,
+        tasks,
+        pending_actions: pending,
+    })
+}
+
+fn health(agent: &Agent) -> Response {
+    let reasons: Vec<String> = agent
+        .state()
+        .d
+        .unhealthy
+        .values()
+        .map(|(_, r)| r.clone())
+        .collect();
+    Response::Health(HealthReply {
+        node: agent.node.clone(),
+        healthy: reasons.is_empty(),
+        reasons,
+    })
+}
+
+fn job_report(
+    history: &std::collections::VecDeque<DecisionRecord>,
+    outcomes: &std::collections::BTreeMap<u32, Vec<String>>,
+    job_id: u32,
+) -> JobReport {
+    JobReport {
+        job_id,
+        faults: history
+            .iter()
+            .filter(|r| r.hit_jobs.contains(&job_id))
+            .cloned()
+            .collect(),
+        actions: outcomes.get(&job_id).cloned().unwrap_or_default(),
+    }
+}

@@ -1,0 +1,140 @@
+//! Fault intake threads for real nodes: `/dev/kmsg` (NVRM Xid lines, resuming after the last sequence
+//! number seen in this boot) and MPS control.log tailing. Each turns lines into [`Signal`]s.
+
+use crate::backend::sim::signal_from_kernel;
+use crate::event::{GpuRef, Signal, Source};
+use crate::kmsg;
+use crate::mps::{parse_control_log, ControlLogEvent};
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KmsgCursor {
+    pub boot_id: String,
+    pub seq: u64,
+}
+
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Reads `/dev/kmsg` forever. With a saved cursor of this boot, replays records after it (faults that
+/// happened while the agent was down); otherwise starts at the end (old Xids are history, not news).
+pub fn spawn_kmsg_reader(
+    path: PathBuf,
+    cursor_file: PathBuf,
+    tx: Sender<Signal>,
+) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)?;
+    let boot = boot_id();
+    let saved: Option<KmsgCursor> = crate::persist::read(&cursor_file).ok().flatten();
+    let resume_after = match saved {
+        Some(c) if c.boot_id == boot => Some(c.seq),
+        _ => {
+            let _ = f.seek(SeekFrom::End(0));
+            None
+        }
+    };
+    std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || kmsg_loop(f, boot, resume_after, cursor_file, tx))?;
+    Ok(())
+}
+
+fn kmsg_loop(
+    mut f: File,
+    boot: String,
+    resume_after: Option<u64>,
+    cursor_file: PathBuf,
+    tx: Sender<Signal>,
+) {
+    let mut buf = vec![0u8; 8192];
+    loop {
+        // Each read returns exactly one record.
+        let n = match f.read(&mut buf) {
+            Ok(0) => {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            Ok(n) => n,
+            // EPIPE: records were overwritten before we read them; carry on with the next.
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::error!(error = %e, "kmsg read failed; kernel-log intake stopped");
+                return;
+            }
+        };
+        let rec = String::from_utf8_lossy(&buf[..n]);
+        let Some(r) = kmsg::parse_kmsg_record(&rec) else {
+            continue;
+        };
+        if resume_after.is_some_and(|s| r.seq <= s) {
+            continue;
+        }
+        if let Some(line) = kmsg::parse_line(r.message) {
+            if let Some(s) = signal_from_kernel(&line, Source::Kmsg) {
+                if tx.send(s).is_err() {
+                    return;
+                }
+            }
+            // Only NVRM records move the cursor: cheap, and enough to not replay a fault twice.
+            let _ = crate::persist::write_atomic(
+                &cursor_file,
+                &KmsgCursor {
+                    boot_id: boot.clone(),
+                    seq: r.seq,
+                },
+            );
+        }
+    }
+}
+
+/// Tails a GPU's control.log from its current end; FAULT lines become signals without an Xid (they
+/// confirm a fault; they do not start one).
+pub fn spawn_control_log_tail(gpu: u32, path: PathBuf, tx: Sender<Signal>) {
+    let _ = std::thread::Builder::new()
+        .name(format!("mpslog{gpu}"))
+        .spawn(move || tail_loop(gpu, &path, tx));
+}
+
+fn tail_loop(gpu: u32, path: &Path, tx: Sender<Signal>) {
+    let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let Ok(mut f) = File::open(path) else { continue };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        if len < pos {
+            pos = 0; // rotated or truncated
+        }
+        if f.seek(SeekFrom::Start(pos)).is_err() {
+            continue;
+        }
+        let mut r = BufReader::new(f);
+        let mut line = String::new();
+        while let Ok(n) = r.read_line(&mut line) {
+            if n == 0 || !line.ends_with('\n') {
+                break;
+            }
+            pos += n as u64;
+            if let Some(ControlLogEvent::Fault) = parse_control_log(line.trim_end()) {
+                let mut s = Signal::new(Source::MpsLog, GpuRef::Index(gpu), None);
+                s.detail = line.trim().to_string();
+                if tx.send(s).is_err() {
+                    return;
+                }
+            }
+            line.clear();
+        }
+    }
+}

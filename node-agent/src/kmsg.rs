@@ -1,0 +1,301 @@
+//! Parser for the NVIDIA kernel driver's Xid lines (`NVRM: Xid (...)`) as they appear in `/dev/kmsg`
+//! records or `dmesg` output, and for the isolation line of the mps-resilient driver patch.
+//!
+//! The pid in an Xid line is the channel owner's, which under MPS is *not* the faulting process
+//! (KNOWLEDGE.md: Xid 31 named the first client, Xid 43 the MPS server). It is kept only as
+//! "reported pid" and never acted on alone.
+
+use std::fmt;
+
+/// A PCI address without the function number (the driver prints none; NVML prints `.0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PciAddr {
+    pub domain: u32,
+    pub bus: u8,
+    pub device: u8,
+}
+
+impl PciAddr {
+    /// Accepts `0000:00:06`, `00000000:3b:00.0`, `3b:00`, `0000:3b:00.0`.
+    pub fn parse(s: &str) -> Option<PciAddr> {
+        let s = s.trim();
+        let s = s.split('.').next()?;
+        let parts: Vec<&str> = s.split(':').collect();
+        let (d, b, dev) = match parts.as_slice() {
+            [d, b, dev] => (*d, *b, *dev),
+            [b, dev] => ("0", *b, *dev),
+            _ => return None,
+        };
+        Some(PciAddr {
+            domain: u32::from_str_radix(d, 16).ok()?,
+            bus: u8::from_str_radix(b, 16).ok()?,
+            device: u8::from_str_radix(dev, 16).ok()?,
+        })
+    }
+}
+
+impl fmt::Display for PciAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:04x}:{:02x}:{:02x}", self.domain, self.bus, self.device)
+    }
+}
+
+/// One parsed kernel line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelLine {
+    Xid(KernelXid),
+    /// `NVRM: mpsr-isolate (PCI:…): xid=31 culprit_pid=N contained=1` (driver-patch/).
+    Isolation {
+        pci: PciAddr,
+        xid: u32,
+        culprit_pid: u32,
+        contained: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelXid {
+    pub pci: PciAddr,
+    /// MIG GPU instance (`GPU-I:05`), if any.
+    pub gpu_instance: Option<u32>,
+    pub xid: u32,
+    /// As printed; `None` for `pid='<unknown>'` or when absent. Unreliable under MPS.
+    pub pid: Option<u32>,
+    pub name: Option<String>,
+    /// The line says it was caused by a previous Xid.
+    pub secondary: bool,
+    /// Text after the Xid number, for the log.
+    pub detail: String,
+}
+
+/// A `/dev/kmsg` record: `pri,seq,ts_usec,flags[,...];message`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KmsgRecord<'a> {
+    pub seq: u64,
+    pub ts_usec: u64,
+    pub message: &'a str,
+}
+
+pub fn parse_kmsg_record(rec: &str) -> Option<KmsgRecord<'_>> {
+    let (head, msg) = rec.split_once(';')?;
+    let mut f = head.split(',');
+    let _pri: u32 = f.next()?.trim().parse().ok()?;
+    let seq = f.next()?.trim().parse().ok()?;
+    let ts_usec = f.next()?.trim().parse().ok()?;
+    // Continuation lines of a record start with a space and carry KEY=value dictionary data.
+    let message = msg.lines().next().unwrap_or("");
+    Some(KmsgRecord {
+        seq,
+        ts_usec,
+        message,
+    })
+}
+
+/// Parses a message (kmsg payload, or a dmesg/journal line with any prefix before `NVRM:`).
+/// Returns `None` for anything that is not an NVRM Xid or isolation line; never panics.
+pub fn parse_line(line: &str) -> Option<KernelLine> {
+    let at = line.find("NVRM: ")?;
+    let rest = &line[at + 6..];
+    if let Some(r) = rest.strip_prefix("mpsr-isolate ") {
+        return parse_isolation(r);
+    }
+    let rest = rest.strip_prefix("Xid ")?;
+    // "(PCI:0000:00:06): 31, ..." or "(PCI:0000:3b:00 GPU-I:05): ..." or old "(0000:01:00): 79, ..."
+    let rest = rest.strip_prefix('(')?;
+    let (addr, after) = rest.split_once(')')?;
+    let mut words = addr.split_whitespace();
+    let pci_word = words.next()?;
+    let pci = PciAddr::parse(pci_word.strip_prefix("PCI:").unwrap_or(pci_word))?;
+    let mut gpu_instance = None;
+    for w in words {
+        if let Some(gi) = w.strip_prefix("GPU-I:") {
+            gpu_instance = gi.parse().ok();
+        }
+    }
+    let after = after.strip_prefix(':')?.trim_start();
+    let num_end = after
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(after.len());
+    let xid: u32 = after[..num_end].parse().ok()?;
+    let detail = after[num_end..]
+        .trim_start_matches(',')
+        .trim()
+        .to_string();
+    let pid = field(&detail, "pid=").and_then(|v| v.parse().ok());
+    let name = field(&detail, "name=")
+        .filter(|v| *v != "<unknown>")
+        .map(str::to_string);
+    let lower = detail.to_ascii_lowercase();
+    let secondary = lower.contains("previous xid") || lower.contains("due to previous");
+    Some(KernelLine::Xid(KernelXid {
+        pci,
+        gpu_instance,
+        xid,
+        pid,
+        name,
+        secondary,
+        detail,
+    }))
+}
+
+/// Value of `key` up to the next `,` or space, with quotes removed.
+fn field<'a>(s: &'a str, key: &str) -> Option<&'a str> {
+    let mut from = 0;
+    while let Some(i) = s[from..].find(key) {
+        let start = from + i;
+        // Require a word boundary so "ppid=" does not match "pid=".
+        let boundary = start == 0
+            || !s.as_bytes()[start - 1].is_ascii_alphanumeric() && s.as_bytes()[start - 1] != b'_';
+        let v = &s[start + key.len()..];
+        if boundary {
+            let end = v.find([',', ' ']).unwrap_or(v.len());
+            return Some(v[..end].trim_matches('\''));
+        }
+        from = start + key.len();
+    }
+    None
+}
+
+fn parse_isolation(r: &str) -> Option<KernelLine> {
+    let r = r.strip_prefix('(')?;
+    let (addr, after) = r.split_once(')')?;
+    let pci = PciAddr::parse(addr.strip_prefix("PCI:").unwrap_or(addr))?;
+    let after = after.strip_prefix(':')?;
+    Some(KernelLine::Isolation {
+        pci,
+        xid: field(after, "xid=")?.parse().ok()?,
+        culprit_pid: field(after, "culprit_pid=")?.parse().ok()?,
+        contained: field(after, "contained=") == Some("1"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn xid(line: &str) -> KernelXid {
+        match parse_line(line) {
+            Some(KernelLine::Xid(x)) => x,
+            other => panic!("not an xid line: {line:?} -> {other:?}"),
+        }
+    }
+
+    const PCI6: PciAddr = PciAddr {
+        domain: 0,
+        bus: 0,
+        device: 6,
+    };
+
+    #[test]
+    fn knowledge_sample_xid31() {
+        let x = xid("NVRM: Xid (PCI:0000:00:06): 31, pid=494, name=probe, channel 0x0000000e, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC1 GPCCLIENT_T1_8 faulted @ 0x0_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE");
+        assert_eq!(x.pci, PCI6);
+        assert_eq!(x.xid, 31);
+        assert_eq!(x.pid, Some(494));
+        assert_eq!(x.name.as_deref(), Some("probe"));
+        assert!(!x.secondary);
+        assert!(x.detail.contains("FAULT_PDE"));
+    }
+
+    #[test]
+    fn knowledge_sample_xid43_names_mps_server() {
+        let x = xid("NVRM: Xid (PCI:0000:00:06): 43, pid=566, name=nvidia-cuda-mps, channel 0x0000000a");
+        assert_eq!((x.xid, x.pid), (43, Some(566)));
+        assert_eq!(x.name.as_deref(), Some("nvidia-cuda-mps"));
+    }
+
+    #[test]
+    fn knowledge_sample_xid13_without_pid() {
+        let x = xid("NVRM: Xid (PCI:0000:00:06): 13, Graphics SM Warp Exception on (GPC 1, TPC 4, SM 0): Misaligned Address");
+        assert_eq!((x.xid, x.pid), (13, None));
+        assert!(x.detail.contains("Misaligned Address"));
+    }
+
+    #[test]
+    fn kmsg_record_wrapping() {
+        let rec = "3,1234,5678901,-;NVRM: Xid (PCI:0000:00:06): 31, pid=494, name=probe, channel 0x0000000e\n SUBSYSTEM=pci\n DEVICE=+pci:0000:00:06.0";
+        let r = parse_kmsg_record(rec).unwrap();
+        assert_eq!((r.seq, r.ts_usec), (1234, 5678901));
+        assert_eq!(xid(r.message).xid, 31);
+        assert!(parse_kmsg_record("garbage").is_none());
+        assert!(parse_kmsg_record("a,b,c;x").is_none());
+    }
+
+    #[test]
+    fn dmesg_prefix_and_mig() {
+        let x = xid("[  123.456789] NVRM: Xid (PCI:0000:3b:00 GPU-I:05): 31, pid=1234, name=python3, Ch 00000008");
+        assert_eq!(x.pci, PciAddr::parse("0000:3b:00").unwrap());
+        assert_eq!(x.gpu_instance, Some(5));
+        assert_eq!(x.pid, Some(1234));
+    }
+
+    #[test]
+    fn unknown_pid() {
+        let x = xid("NVRM: Xid (PCI:0000:00:06): 43, pid='<unknown>', name=<unknown>, Ch 00000010");
+        assert_eq!(x.pid, None);
+        assert_eq!(x.name, None);
+    }
+
+    #[test]
+    fn caused_by_previous_xid() {
+        let x = xid("NVRM: Xid (PCI:0000:00:06): 45, pid=77, name=app, Ch 00000010, Preemptive Cleanup, due to previous errors in Ch 0x00000010");
+        assert!(x.secondary);
+        let y = xid("NVRM: Xid (PCI:0000:00:06): 43, pid=12, name=x, this event was caused by previous Xid 31");
+        assert!(y.secondary);
+    }
+
+    #[test]
+    fn old_formats() {
+        let x = xid("NVRM: Xid (0000:01:00): 79, GPU has fallen off the bus.");
+        assert_eq!(x.xid, 79);
+        assert_eq!(x.pci, PciAddr::parse("0000:01:00").unwrap());
+        let y = xid("NVRM: Xid (PCI:0000:c1:00): 43, Ch 00000008");
+        assert_eq!((y.xid, y.pid), (43, None));
+    }
+
+    #[test]
+    fn isolation_line() {
+        assert_eq!(
+            parse_line("NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=901 contained=1"),
+            Some(KernelLine::Isolation {
+                pci: PCI6,
+                xid: 31,
+                culprit_pid: 901,
+                contained: true
+            })
+        );
+    }
+
+    #[test]
+    fn garbage_is_ignored_never_panics() {
+        for g in [
+            "",
+            "NVRM:",
+            "NVRM: Xid",
+            "NVRM: Xid (",
+            "NVRM: Xid (PCI:zz:00): 31",
+            "NVRM: Xid (PCI:0000:00:06)",
+            "NVRM: Xid (PCI:0000:00:06): ",
+            "NVRM: Xid (PCI:0000:00:06): abc",
+            "NVRM: Xid (PCI:0000:00:06): 99999999999999999999",
+            "NVRM: mpsr-isolate (PCI:0000:00:06): xid=31",
+            "NVRM: loading NVIDIA UNIX Open Kernel Module",
+            "usb 1-1: new device \u{fffd}\u{0}",
+            "NVRM: Xid (PCI:0000:00:06): 31, pid=",
+        ] {
+            let _ = parse_line(g);
+        }
+        assert!(parse_line("NVRM: Xid (PCI:0000:00:06): abc").is_none());
+        assert!(parse_line("NVRM: loading NVIDIA UNIX Open Kernel Module").is_none());
+        // A pid field that is not a number is dropped, the Xid kept.
+        assert_eq!(xid("NVRM: Xid (PCI:0000:00:06): 31, pid=").pid, None);
+    }
+
+    #[test]
+    fn pci_forms_agree() {
+        let a = PciAddr::parse("00000000:00:06.0").unwrap();
+        assert_eq!(a, PCI6);
+        assert_eq!(a.to_string(), "0000:00:06");
+        assert!(PciAddr::parse("1:2:3:4").is_none());
+    }
+}

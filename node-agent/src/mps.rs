@@ -1,0 +1,342 @@
+//! One real MPS control daemon per GPU, driven through `nvidia-cuda-mps-control` with bounded waits.
+
+use mpsr_proto::ServerState;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    #[error("cannot run {binary}: {source}")]
+    Spawn {
+        binary: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` timed out after {ms} ms")]
+    Timeout { command: String, ms: u128 },
+    #[error("`{command}` failed: {output}")]
+    Failed { command: String, output: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct MpsDaemon {
+    pub gpu: u32,
+    pub uuid: String,
+    pub pipe_dir: PathBuf,
+    pub log_dir: PathBuf,
+    pub binary: PathBuf,
+    pub multiuser: bool,
+    pub timeout: Duration,
+}
+
+impl MpsDaemon {
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.binary);
+        c.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
+            .env("CUDA_MPS_LOG_DIRECTORY", &self.log_dir)
+            // The daemon and its server see only this GPU: one fault domain per GPU.
+            .env("CUDA_VISIBLE_DEVICES", &self.uuid);
+        c
+    }
+
+    /// Starts the daemon (`-d`), unless one already answers on this pipe dir.
+    pub fn start(&self) -> Result<(), MpsError> {
+        for d in [&self.pipe_dir, &self.log_dir] {
+            std::fs::create_dir_all(d).map_err(|source| MpsError::Spawn {
+                binary: d.display().to_string(),
+                source,
+            })?;
+        }
+        if self.server_list().is_ok() {
+            return Ok(());
+        }
+        let mut c = self.command();
+        c.arg("-d");
+        if self.multiuser {
+            c.arg("-multiuser-server");
+        }
+        let out = run_bounded(c, None, self.timeout, "nvidia-cuda-mps-control -d")?;
+        if !out.0 {
+            return Err(MpsError::Failed {
+                command: "nvidia-cuda-mps-control -d".into(),
+                output: out.1,
+            });
+        }
+        // The daemon forks; wait until it answers.
+        let deadline = Instant::now() + self.timeout;
+        while Instant::now() < deadline {
+            if self.server_list().is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(MpsError::Timeout {
+            command: "control daemon start".into(),
+            ms: self.timeout.as_millis(),
+        })
+    }
+
+    /// Sends one command on stdin and returns stdout.
+    pub fn send(&self, cmd: &str) -> Result<String, MpsError> {
+        let (ok, out) = run_bounded(self.command(), Some(cmd), self.timeout, cmd)?;
+        if !ok {
+            return Err(MpsError::Failed {
+                command: cmd.into(),
+                output: out,
+            });
+        }
+        Ok(out)
+    }
+
+    pub fn server_list(&self) -> Result<Vec<u32>, MpsError> {
+        Ok(parse_pids(&self.send("get_server_list")?))
+    }
+
+    pub fn client_list(&self, server: u32) -> Result<Vec<u32>, MpsError> {
+        Ok(parse_pids(
+            &self.send(&format!("get_client_list {server}"))?,
+        ))
+    }
+
+    pub fn terminate_client(&self, server: u32, client: u32) -> Result<(), MpsError> {
+        self.send(&format!("terminate_client {server} {client}"))
+            .map(|_| ())
+    }
+
+    pub fn set_defaults(&self, thread_pct: u8, mem_limit: &str) -> Result<(), MpsError> {
+        if thread_pct < 100 {
+            self.send(&format!("set_default_active_thread_percentage {thread_pct}"))?;
+        }
+        if !mem_limit.is_empty() {
+            // Device 0: inside the daemon's CUDA_VISIBLE_DEVICES the one GPU is ordinal 0.
+            self.send(&format!("set_default_device_pinned_mem_limit 0 {mem_limit}"))?;
+        }
+        Ok(())
+    }
+
+    /// The server's state: FAULT and recovery show in `get_server_status` where the driver has it,
+    /// otherwise in control.log lines.
+    pub fn state(&self) -> ServerState {
+        match self.server_list() {
+            Err(_) => ServerState::Down,
+            Ok(servers) if servers.is_empty() => ServerState::Idle,
+            Ok(servers) => match self.send(&format!("get_server_status {}", servers[0])) {
+                Ok(s) => parse_status(&s).unwrap_or(ServerState::Active),
+                Err(_) => ServerState::Active,
+            },
+        }
+    }
+
+    pub fn quit(&self) -> Result<(), MpsError> {
+        self.send("quit").map(|_| ())
+    }
+
+    pub fn control_log(&self) -> PathBuf {
+        self.log_dir.join("control.log")
+    }
+}
+
+pub fn parse_pids(out: &str) -> Vec<u32> {
+    out.split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect()
+}
+
+pub fn parse_status(out: &str) -> Option<ServerState> {
+    let u = out.to_ascii_uppercase();
+    if u.contains("FAULT") {
+        Some(ServerState::Fault)
+    } else if u.contains("ACTIVE") {
+        Some(ServerState::Active)
+    } else if u.contains("INIT") {
+        Some(ServerState::Idle)
+    } else {
+        None
+    }
+}
+
+/// What a control.log line says about the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlLogEvent {
+    /// `Server encountered a fatal exception` / a client pushed to pending because not ready.
+    Fault,
+    /// `NEW SERVER <pid>: Ready`.
+    Ready(u32),
+    ServerExited { pid: u32, status: i32 },
+    Terminated { server: u32, client: u32 },
+}
+
+pub fn parse_control_log(line: &str) -> Option<ControlLogEvent> {
+    let msg = line.split_once(']').map(|(_, m)| m.trim()).unwrap_or(line);
+    if msg.contains("fatal exception") || msg.contains("Server is not ready") {
+        return Some(ControlLogEvent::Fault);
+    }
+    if let Some(r) = msg.strip_prefix("NEW SERVER ") {
+        let (pid, rest) = r.split_once(':')?;
+        if rest.trim() == "Ready" {
+            return Some(ControlLogEvent::Ready(pid.trim().parse().ok()?));
+        }
+    }
+    if let Some(r) = msg.strip_prefix("Server ") {
+        let (pid, rest) = r.split_once(" exited with status ")?;
+        return Some(ControlLogEvent::ServerExited {
+            pid: pid.trim().parse().ok()?,
+            status: rest.trim().parse().ok()?,
+        });
+    }
+    if let Some(r) = msg.strip_prefix("Cmd:terminate_client ") {
+        let p = parse_pids(r);
+        if let [s, c] = p.as_slice() {
+            return Some(ControlLogEvent::Terminated {
+                server: *s,
+                client: *c,
+            });
+        }
+    }
+    None
+}
+
+/// Runs a command with optional stdin and a hard deadline (killed past it).
+pub fn run_bounded(
+    mut c: Command,
+    stdin: Option<&str>,
+    timeout: Duration,
+    what: &str,
+) -> Result<(bool, String), MpsError> {
+    c.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let binary = format!("{:?}", c.get_program());
+    let mut child = c.spawn().map_err(|source| MpsError::Spawn { binary, source })?;
+    if let (Some(input), Some(mut si)) = (stdin, child.stdin.take()) {
+        let _ = si.write_all(input.as_bytes());
+        let _ = si.write_all(b"\n");
+    }
+    // Readers on threads so a chatty child cannot block on a full pipe while we wait.
+    let mut so = child.stdout.take();
+    let mut se = child.stderr.take();
+    let t_out = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(o) = so.as_mut() {
+            let _ = o.read_to_string(&mut s);
+        }
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(e) = se.as_mut() {
+            let _ = e.read_to_string(&mut s);
+        }
+        s
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(MpsError::Timeout {
+                    command: what.into(),
+                    ms: timeout.as_millis(),
+                });
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => {
+                return Err(MpsError::Failed {
+                    command: what.into(),
+                    output: e.to_string(),
+                })
+            }
+        }
+    };
+    // A daemonizing child may leave its pipes open in the grandchild; do not wait for them forever.
+    let out = join_bounded(t_out, Duration::from_millis(200));
+    let err = join_bounded(t_err, Duration::from_millis(200));
+    let text = if err.trim().is_empty() {
+        out
+    } else {
+        format!("{out}{err}")
+    };
+    Ok((status.success(), text.trim().to_string()))
+}
+
+fn join_bounded(h: std::thread::JoinHandle<String>, wait: Duration) -> String {
+    let deadline = Instant::now() + wait;
+    while !h.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    if h.is_finished() {
+        h.join().unwrap_or_default()
+    } else {
+        String::new()
+    }
+}
+
+pub fn pipe_dir(run_dir: &Path, gpu: u32) -> PathBuf {
+    run_dir.join(format!("gpu{gpu}")).join("pipe")
+}
+
+pub fn log_dir(run_dir: &Path, gpu: u32) -> PathBuf {
+    run_dir.join(format!("gpu{gpu}")).join("log")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_log_samples_from_knowledge() {
+        assert_eq!(
+            parse_control_log("[2026-11-30 10:00:00.000 Control 12] NEW SERVER 497: Ready"),
+            Some(ControlLogEvent::Ready(497))
+        );
+        assert_eq!(
+            parse_control_log("[2026-11-30 10:00:00.000 Control 12] NEW CLIENT 494 from user 0: Server is not ready, push client to pending list"),
+            Some(ControlLogEvent::Fault)
+        );
+        assert_eq!(
+            parse_control_log("[... Control 73] Server encountered a fatal exception. Shutting down"),
+            Some(ControlLogEvent::Fault)
+        );
+        assert_eq!(
+            parse_control_log("[... Control 73] Server 95 exited with status 1"),
+            Some(ControlLogEvent::ServerExited { pid: 95, status: 1 })
+        );
+        assert_eq!(
+            parse_control_log("[2026-11-30 10:00:00.000 Control 12] Cmd:terminate_client 769 765"),
+            Some(ControlLogEvent::Terminated {
+                server: 769,
+                client: 765
+            })
+        );
+        assert_eq!(parse_control_log("[x] Starting new server 497 for user 0"), None);
+        assert_eq!(parse_control_log(""), None);
+    }
+
+    #[test]
+    fn bounded_run_kills_hung_command() {
+        let mut c = Command::new("sleep");
+        c.arg("5");
+        let t = Instant::now();
+        let e = run_bounded(c, None, Duration::from_millis(200), "sleep").unwrap_err();
+        assert!(matches!(e, MpsError::Timeout { .. }));
+        assert!(t.elapsed() < Duration::from_secs(2));
+        let (ok, out) = run_bounded(Command::new("cat"), Some("get_server_list"), Duration::from_secs(5), "cat").unwrap();
+        assert!(ok);
+        assert_eq!(out, "get_server_list");
+    }
+
+    #[test]
+    fn pids_and_status() {
+        assert_eq!(parse_pids("123\n456\n"), vec![123, 456]);
+        assert_eq!(parse_status("ACTIVE"), Some(ServerState::Active));
+        assert_eq!(parse_status("FAULT"), Some(ServerState::Fault));
+        assert_eq!(parse_status("???"), None);
+    }
+}

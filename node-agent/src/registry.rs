@@ -1,0 +1,295 @@
+//! Which tasks of which jobs use which GPU through the agent's MPS daemons.
+
+use mpsr_proto::{Mode, Registration, TaskStatus};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Task {
+    pub job_id: u32,
+    pub step_id: u32,
+    pub pid: u32,
+    pub uid: u32,
+    pub gpus: Vec<u32>,
+    pub mode: Mode,
+    pub batch: bool,
+    pub threads_pct: Option<u8>,
+    pub mem_limit: Option<u64>,
+    pub restart_count: u32,
+    /// Process start time (clock ticks since boot, /proc/PID/stat field 22) to detect pid reuse.
+    pub start_ticks: Option<u64>,
+}
+
+impl Task {
+    pub fn from_registration(r: &Registration, uid: u32, start_ticks: Option<u64>) -> Task {
+        let mut gpus = r.gpus.clone();
+        gpus.sort_unstable();
+        gpus.dedup();
+        Task {
+            job_id: r.job_id,
+            step_id: r.step_id,
+            pid: r.pid,
+            uid,
+            gpus,
+            mode: r.mode,
+            batch: r.batch,
+            threads_pct: r.threads_pct,
+            mem_limit: r.mem_limit,
+            restart_count: r.restart_count,
+            start_ticks,
+        }
+    }
+
+    pub fn status(&self) -> TaskStatus {
+        TaskStatus {
+            job_id: self.job_id,
+            step_id: self.step_id,
+            pid: self.pid,
+            uid: self.uid,
+            gpus: self.gpus.clone(),
+            mode: self.mode,
+            batch: self.batch,
+        }
+    }
+}
+
+pub type TaskKey = (u32, u32, u32); // job, step, pid
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegisterError {
+    /// The job is known with another owner.
+    OtherOwner { job_id: u32, owner: u32 },
+    /// Same job registered with different modes by two steps.
+    ModeConflict { job_id: u32, existing: Mode },
+}
+
+impl std::fmt::Display for RegisterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegisterError::OtherOwner { job_id, .. } => {
+                write!(f, "job {job_id} belongs to another user")
+            }
+            RegisterError::ModeConflict { job_id, existing } => {
+                write!(f, "job {job_id} is already registered with mode {existing}")
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registry {
+    tasks: BTreeMap<String, Task>,
+}
+
+fn key_str(k: TaskKey) -> String {
+    format!("{}.{}.{}", k.0, k.1, k.2)
+}
+
+impl Registry {
+    pub fn register(&mut self, t: Task) -> Result<(), RegisterError> {
+        if let Some(other) = self.tasks.values().find(|o| o.job_id == t.job_id) {
+            if other.uid != t.uid {
+                return Err(RegisterError::OtherOwner {
+                    job_id: t.job_id,
+                    owner: other.uid,
+                });
+            }
+            if other.mode != t.mode {
+                return Err(RegisterError::ModeConflict {
+                    job_id: t.job_id,
+                    existing: other.mode,
+                });
+            }
+        }
+        self.tasks.insert(key_str((t.job_id, t.step_id, t.pid)), t);
+        Ok(())
+    }
+
+    pub fn get(&self, k: TaskKey) -> Option<&Task> {
+        self.tasks.get(&key_str(k))
+    }
+
+    pub fn remove(&mut self, k: TaskKey) -> Option<Task> {
+        self.tasks.remove(&key_str(k))
+    }
+
+    pub fn remove_job(&mut self, job_id: u32) -> Vec<Task> {
+        let keys: Vec<String> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.job_id == job_id)
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.iter().filter_map(|k| self.tasks.remove(k)).collect()
+    }
+
+    pub fn job_owner(&self, job_id: u32) -> Option<u32> {
+        self.tasks
+            .values()
+            .find(|t| t.job_id == job_id)
+            .map(|t| t.uid)
+    }
+
+    pub fn tasks(&self) -> impl Iterator<Item = &Task> {
+        self.tasks.values()
+    }
+
+    pub fn tasks_on_gpu(&self, gpu: u32) -> impl Iterator<Item = &Task> {
+        self.tasks.values().filter(move |t| t.gpus.contains(&gpu))
+    }
+
+    pub fn jobs_on_gpu(&self, gpu: u32) -> BTreeSet<u32> {
+        self.tasks_on_gpu(gpu).map(|t| t.job_id).collect()
+    }
+
+    pub fn jobs(&self) -> BTreeSet<u32> {
+        self.tasks.values().map(|t| t.job_id).collect()
+    }
+
+    pub fn task_by_pid(&self, pid: u32) -> Option<&Task> {
+        self.tasks.values().find(|t| t.pid == pid)
+    }
+
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// After a restart: drop tasks whose process is gone or whose pid was reused.
+    pub fn reconcile(&mut self, alive: impl Fn(u32, Option<u64>) -> bool) -> Vec<Task> {
+        let dead: Vec<String> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| !alive(t.pid, t.start_ticks))
+            .map(|(k, _)| k.clone())
+            .collect();
+        dead.iter().filter_map(|k| self.tasks.remove(k)).collect()
+    }
+}
+
+/// Process facts from /proc, used for ownership checks, liveness and pid -> job mapping.
+pub mod procfs {
+    use std::fs;
+
+    /// Start time in clock ticks (field 22 of /proc/PID/stat).
+    pub fn start_ticks(pid: u32) -> Option<u64> {
+        let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // comm (field 2) may contain spaces and parens: split after the last ')'.
+        let rest = &s[s.rfind(')')? + 2..];
+        rest.split_whitespace().nth(19)?.parse().ok()
+    }
+
+    pub fn parent(pid: u32) -> Option<u32> {
+        let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let rest = &s[s.rfind(')')? + 2..];
+        rest.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    /// Real uid of a process.
+    pub fn uid(pid: u32) -> Option<u32> {
+        let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    pub fn alive(pid: u32, start: Option<u64>) -> bool {
+        match (start_ticks(pid), start) {
+            (Some(now), Some(then)) => now == then,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
+
+    /// `pid` and its ancestors, nearest first (bounded, so a loop in a bad /proc cannot hang us).
+    pub fn ancestry(pid: u32) -> Vec<u32> {
+        let mut out = vec![pid];
+        let mut cur = pid;
+        for _ in 0..64 {
+            match parent(cur) {
+                Some(p) if p > 1 && p != cur => {
+                    out.push(p);
+                    cur = p;
+                }
+                _ => break,
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(job: u32, pid: u32, uid: u32, gpus: &[u32]) -> Task {
+        Task {
+            job_id: job,
+            step_id: 0,
+            pid,
+            uid,
+            gpus: gpus.to_vec(),
+            mode: Mode::Requeue,
+            batch: true,
+            threads_pct: None,
+            mem_limit: None,
+            restart_count: 0,
+            start_ticks: None,
+        }
+    }
+
+    #[test]
+    fn other_users_job_refused() {
+        let mut r = Registry::default();
+        r.register(task(1, 10, 1000, &[0])).unwrap();
+        assert_eq!(
+            r.register(task(1, 11, 1001, &[0])),
+            Err(RegisterError::OtherOwner {
+                job_id: 1,
+                owner: 1000
+            })
+        );
+        r.register(task(1, 12, 1000, &[1])).unwrap();
+        assert_eq!(r.jobs_on_gpu(0), [1].into());
+        assert_eq!(r.jobs_on_gpu(1), [1].into());
+        assert_eq!(r.len(), 2);
+    }
+
+    #[test]
+    fn reconcile_drops_dead() {
+        let mut r = Registry::default();
+        r.register(task(1, 10, 0, &[0])).unwrap();
+        r.register(task(2, 20, 0, &[0])).unwrap();
+        let dead = r.reconcile(|pid, _| pid == 10);
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].pid, 20);
+        assert_eq!(r.jobs(), [1].into());
+    }
+
+    #[test]
+    fn procfs_self() {
+        let me = std::process::id();
+        let st = procfs::start_ticks(me);
+        assert!(st.is_some());
+        assert!(procfs::alive(me, st));
+        assert!(!procfs::alive(me, st.map(|s| s + 1)));
+        // SAFETY: getuid has no preconditions.
+        assert_eq!(procfs::uid(me), Some(unsafe { libc::getuid() }));
+        assert!(procfs::ancestry(me).len() >= 2);
+    }
+
+    #[test]
+    fn persisted_form_roundtrips() {
+        let mut r = Registry::default();
+        r.register(task(5, 50, 7, &[1, 0])).unwrap();
+        let s = serde_json::to_string(&r).unwrap();
+        let back: Registry = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, r);
+    }
+}

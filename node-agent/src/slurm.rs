@@ -1,0 +1,199 @@
+//! Slurm actions through `scontrol`, each bounded in time, retried with backoff, idempotent by key
+//! (fault id + job id), and persisted until done so an agent restart loses none.
+
+use crate::config::SlurmConfig;
+use crate::mps::run_bounded;
+use serde::{Deserialize, Serialize};
+use std::process::Command;
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum SlurmOp {
+    Requeue { job_id: u32 },
+    Drain { node: String, reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingAction {
+    /// `f<fault>:requeue:<job>` or `f<fault>:drain`.
+    pub key: String,
+    pub fault_id: u64,
+    pub op: SlurmOp,
+    pub attempts: u32,
+    pub last_error: Option<String>,
+}
+
+/// Result of one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Done(String),
+    /// Will not succeed by retrying (e.g. not a batch job, job gone).
+    Permanent(String),
+    Retry(String),
+}
+
+pub struct Scontrol {
+    cfg: SlurmConfig,
+}
+
+impl Scontrol {
+    pub fn new(cfg: SlurmConfig) -> Self {
+        Scontrol { cfg }
+    }
+
+    fn run(&self, args: &[&str]) -> Result<(bool, String), String> {
+        let mut c = Command::new(&self.cfg.scontrol);
+        c.args(args);
+        if let Some(conf) = &self.cfg.slurm_conf {
+            c.env("SLURM_CONF", conf);
+        }
+        run_bounded(
+            c,
+            None,
+            Duration::from_millis(self.cfg.timeout_ms),
+            &format!("scontrol {}", args.join(" ")),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    pub fn execute(&self, op: &SlurmOp) -> Outcome {
+        match op {
+            SlurmOp::Requeue { job_id } => {
+                let id = job_id.to_string();
+                match self.run(&["requeue", &id]) {
+                    Ok((true, _)) => Outcome::Done(format!("requeued job {job_id}")),
+                    Ok((false, out)) => classify_requeue_error(*job_id, &out),
+                    Err(e) => Outcome::Retry(e),
+                }
+            }
+            SlurmOp::Drain { node, reason } => {
+                // Never take over a node someone else drained: keep their reason.
+                match self.node_state(node) {
+                    Ok((state, r)) if state.contains("DRAIN") && !r.starts_with("mpsr:") => {
+                        return Outcome::Done(format!(
+                            "node {node} already drained by someone else (reason \"{r}\"); left as is"
+                        ));
+                    }
+                    Ok(_) => {}
+                    Err(e) => return Outcome::Retry(e),
+                }
+                let reason_arg = format!("Reason={reason}");
+                let node_arg = format!("NodeName={node}");
+                match self.run(&["update", &node_arg, "State=DRAIN", &reason_arg]) {
+                    Ok((true, _)) => Outcome::Done(format!("drained node {node}")),
+                    Ok((false, out)) if out.contains("Invalid node name") => {
+                        Outcome::Permanent(format!("drain {node}: {out}"))
+                    }
+                    Ok((false, out)) => Outcome::Retry(out),
+                    Err(e) => Outcome::Retry(e),
+                }
+            }
+        }
+    }
+
+    /// (State, Reason) of a node from `scontrol show node -o`.
+    pub fn node_state(&self, node: &str) -> Result<(String, String), String> {
+        match self.run(&["show", "node", node, "-o"]) {
+            Ok((true, out)) => Ok(parse_node_line(&out)),
+            Ok((false, out)) => Err(out),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn resume_node(&self, node: &str) -> Result<(), String> {
+        let node_arg = format!("NodeName={node}");
+        match self.run(&["update", &node_arg, "State=RESUME"]) {
+            Ok((true, _)) => Ok(()),
+            Ok((false, out)) => Err(out),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn backoff(&self, attempts: u32) -> Duration {
+        let ms = self
+            .cfg
+            .retry_backoff_ms
+            .saturating_mul(1u64 << attempts.min(10));
+        Duration::from_millis(ms.min(60_000))
+    }
+
+    pub fn max_attempts(&self) -> u32 {
+        self.cfg.max_attempts
+    }
+}
+
+pub fn classify_requeue_error(job_id: u32, out: &str) -> Outcome {
+    if out.contains("Only batch jobs") {
+        Outcome::Permanent(format!("job {job_id} is not a batch job; Slurm cannot requeue it"))
+    } else if out.contains("pending execution") || out.contains("already pending") {
+        Outcome::Done(format!("job {job_id} already pending (requeued before)"))
+    } else if out.contains("Invalid job id") {
+        Outcome::Permanent(format!("job {job_id} no longer exists"))
+    } else if out.contains("disabled") || out.contains("not requeueable") || out.contains("Requeue") && out.contains("not") {
+        Outcome::Permanent(format!("job {job_id}: {out}"))
+    } else {
+        Outcome::Retry(out.to_string())
+    }
+}
+
+/// `State=IDLE+DRAIN ... Reason=mpsr: xid 79 [root@2026-...]` -> ("IDLE+DRAIN", "mpsr: xid 79 [root@…]").
+pub fn parse_node_line(out: &str) -> (String, String) {
+    let state = out
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("State="))
+        .unwrap_or("")
+        .to_string();
+    // Reason is the last field on the line and may contain spaces.
+    let reason = out
+        .find(" Reason=")
+        .map(|i| out[i + 8..].trim().to_string())
+        .unwrap_or_default();
+    let reason = if reason == "(null)" { String::new() } else { reason };
+    (state, reason)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requeue_errors() {
+        assert!(matches!(
+            classify_requeue_error(3, "scontrol: error: Only batch jobs are accepted or processed for job 3"),
+            Outcome::Permanent(_)
+        ));
+        assert!(matches!(
+            classify_requeue_error(3, "Requeue of JobId=3 returned an error: Job is pending execution"),
+            Outcome::Done(_)
+        ));
+        assert!(matches!(
+            classify_requeue_error(3, "Invalid job id specified"),
+            Outcome::Permanent(_)
+        ));
+        assert!(matches!(
+            classify_requeue_error(3, "Unable to contact slurm controller (connect failure)"),
+            Outcome::Retry(_)
+        ));
+    }
+
+    #[test]
+    fn node_line() {
+        let (s, r) = parse_node_line("NodeName=n1 Arch=x86_64 State=IDLE+DRAIN ThreadsPerCore=1 Reason=mpsr: xid 79 (device_lost) on gpu0 of n1 [root@2026-12-02T13:09:48]");
+        assert_eq!(s, "IDLE+DRAIN");
+        assert!(r.starts_with("mpsr: xid 79"));
+        let (s, r) = parse_node_line("NodeName=n1 State=IDLE ThreadsPerCore=1");
+        assert_eq!((s.as_str(), r.as_str()), ("IDLE", ""));
+    }
+
+    #[test]
+    fn scontrol_missing_is_retry_not_panic() {
+        let s = Scontrol::new(SlurmConfig {
+            scontrol: "/nonexistent/scontrol".into(),
+            ..SlurmConfig::default()
+        });
+        assert!(matches!(s.execute(&SlurmOp::Requeue { job_id: 1 }), Outcome::Retry(_)));
+        assert_eq!(s.backoff(0), Duration::from_millis(500));
+        assert_eq!(s.backoff(30), Duration::from_millis(60_000));
+    }
+}
