@@ -122,11 +122,21 @@ impl Agent {
             persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
         for t in &gone {
-            tracing::info!(job = t.job_id, step = t.step_id, pid = t.pid, "task exited while the agent was down; deregistered");
-            d.resume.remove(&format!("{}.{}.{}", t.job_id, t.step_id, t.pid));
+            tracing::info!(
+                job = t.job_id,
+                step = t.step_id,
+                pid = t.pid,
+                "task exited while the agent was down; deregistered"
+            );
+            d.resume
+                .remove(&format!("{}.{}.{}", t.job_id, t.step_id, t.pid));
         }
         if !d.registry.is_empty() || !d.pending.is_empty() {
-            tracing::info!(tasks = d.registry.len(), pending_actions = d.pending.len(), "state recovered after restart");
+            tracing::info!(
+                tasks = d.registry.len(),
+                pending_actions = d.pending.len(),
+                "state recovered after restart"
+            );
         }
         let window = Duration::from_millis(cfg.faults.correlation_window_ms);
         let slurm = Scontrol::new(cfg.slurm.clone());
@@ -214,11 +224,7 @@ impl Agent {
             {
                 let mut g = lock(&self.persister.gens);
                 while g.1 >= g.0 {
-                    g = self
-                        .persister
-                        .cv
-                        .wait(g)
-                        .unwrap_or_else(|p| p.into_inner());
+                    g = self.persister.cv.wait(g).unwrap_or_else(|p| p.into_inner());
                 }
             }
             let before = lock(&self.persister.gens).1;
@@ -321,13 +327,7 @@ impl Agent {
         self.apply(&mut st, &ev, &decision, decide_us);
     }
 
-    fn apply(
-        &self,
-        st: &mut State,
-        ev: &crate::event::FaultEvent,
-        dec: &Decision,
-        decide_us: u64,
-    ) {
+    fn apply(&self, st: &mut State, ev: &crate::event::FaultEvent, dec: &Decision, decide_us: u64) {
         let mut action_lines = Vec::new();
         let mut terminate = Vec::new();
         for a in &dec.actions {
@@ -365,7 +365,11 @@ impl Agent {
                             fail: None,
                         },
                     );
-                    push_outcome(&mut st.d.outcomes, *job_id, format!("fault {}: resume in place handed over", ev.id));
+                    push_outcome(
+                        &mut st.d.outcomes,
+                        *job_id,
+                        format!("fault {}: resume in place handed over", ev.id),
+                    );
                 }
                 Action::FailTask {
                     job_id,
@@ -381,10 +385,18 @@ impl Agent {
                             fail: Some(why.clone()),
                         },
                     );
-                    push_outcome(&mut st.d.outcomes, *job_id, format!("fault {}: not resumed: {why}", ev.id));
+                    push_outcome(
+                        &mut st.d.outcomes,
+                        *job_id,
+                        format!("fault {}: not resumed: {why}", ev.id),
+                    );
                 }
                 Action::None { job_id, why } => {
-                    push_outcome(&mut st.d.outcomes, *job_id, format!("fault {}: no action ({why})", ev.id));
+                    push_outcome(
+                        &mut st.d.outcomes,
+                        *job_id,
+                        format!("fault {}: no action ({why})", ev.id),
+                    );
                 }
             }
         }
@@ -478,12 +490,11 @@ impl Agent {
                 let mut st = self.state();
                 loop {
                     let now = Instant::now();
-                    let ready = st
-                        .d
-                        .pending
-                        .iter()
-                        .find(|p| not_before.get(&p.key).is_none_or(|t| *t <= now))
-                        .cloned();
+                    let ready =
+                        st.d.pending
+                            .iter()
+                            .find(|p| not_before.get(&p.key).is_none_or(|t| *t <= now))
+                            .cloned();
                     if let Some(p) = ready {
                         break p;
                     }
@@ -512,7 +523,10 @@ impl Agent {
                         p.attempts = attempts;
                         p.last_error = Some(e.clone());
                     }
-                    not_before.insert(next.key.clone(), Instant::now() + self.slurm.backoff(attempts));
+                    not_before.insert(
+                        next.key.clone(),
+                        Instant::now() + self.slurm.backoff(attempts),
+                    );
                     None
                 }
             };
@@ -531,7 +545,11 @@ impl Agent {
                 }
                 let line = if ok { msg } else { format!("FAILED: {msg}") };
                 if let Some(j) = job {
-                    push_outcome(&mut st.d.outcomes, j, format!("fault {}: {line}", next.fault_id));
+                    push_outcome(
+                        &mut st.d.outcomes,
+                        j,
+                        format!("fault {}: {line}", next.fault_id),
+                    );
                 }
                 self.add_outcome(&mut st, next.fault_id, line);
             }
@@ -561,7 +579,8 @@ impl Agent {
                         let ms = since.elapsed().as_millis();
                         let mut st = self.state();
                         st.recovering.remove(&gpu);
-                        let line = format!("gpu{gpu} MPS server ACTIVE again {ms} ms after the fault");
+                        let line =
+                            format!("gpu{gpu} MPS server ACTIVE again {ms} ms after the fault");
                         tracing::info!(gpu, fault_id, "{line}");
                         self.add_outcome(&mut st, fault_id, line);
                     }
@@ -569,8 +588,13 @@ impl Agent {
                         let clients = self.backend.clients(gpu);
                         let todo: Vec<u32> = {
                             let mut st = self.state();
-                            let Some(r) = st.recovering.get_mut(&gpu) else { continue };
-                            let t: Vec<u32> = clients.into_iter().filter(|c| !r.terminated.contains(c)).collect();
+                            let Some(r) = st.recovering.get_mut(&gpu) else {
+                                continue;
+                            };
+                            let t: Vec<u32> = clients
+                                .into_iter()
+                                .filter(|c| !r.terminated.contains(c))
+                                .collect();
                             r.terminated.extend(&t);
                             t
                         };
@@ -585,8 +609,13 @@ impl Agent {
                     ServerState::Lost | ServerState::Down | ServerState::Fault => {}
                 }
             }
-            let unhealthy: Vec<(u32, FaultClass)> =
-                self.state().d.unhealthy.iter().map(|(g, (c, _))| (*g, *c)).collect();
+            let unhealthy: Vec<(u32, FaultClass)> = self
+                .state()
+                .d
+                .unhealthy
+                .iter()
+                .map(|(g, (c, _))| (*g, *c))
+                .collect();
             for (gpu, class) in unhealthy {
                 // Lost GPUs heal when they answer again (reset); uncontained errors need an operator.
                 if class == FaultClass::DeviceLost
@@ -630,7 +659,10 @@ impl Agent {
                 self.mark_dirty();
                 (
                     ResumeVerdict::Restart,
-                    format!("hit by fault {} on gpu{}; MPS server ACTIVE again", e.fault_id, e.gpu),
+                    format!(
+                        "hit by fault {} on gpu{}; MPS server ACTIVE again",
+                        e.fault_id, e.gpu
+                    ),
                 )
             }
             ServerState::Lost => {
@@ -654,7 +686,9 @@ impl Agent {
 pub fn push_outcome(outcomes: &mut BTreeMap<u32, Vec<String>>, job: u32, line: String) {
     outcomes.entry(job).or_default().push(line);
     while outcomes.len() > OUTCOME_JOBS_KEPT {
-        let Some(first) = outcomes.keys().next().copied() else { break };
+        let Some(first) = outcomes.keys().next().copied() else {
+            break;
+        };
         outcomes.remove(&first);
     }
 }

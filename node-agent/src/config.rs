@@ -209,7 +209,10 @@ pub fn parse_size(s: &str) -> Option<u64> {
             (&s[..i], m)
         }
     };
-    num.parse::<u64>().ok()?.checked_mul(mult).filter(|v| *v > 0)
+    num.parse::<u64>()
+        .ok()?
+        .checked_mul(mult)
+        .filter(|v| *v > 0)
 }
 
 impl Config {
@@ -257,7 +260,10 @@ impl Config {
             ("slurm.timeout_ms", self.slurm.timeout_ms),
             ("mps.command_timeout_ms", self.mps.command_timeout_ms),
             ("mps.health_interval_ms", self.mps.health_interval_ms),
-            ("faults.correlation_window_ms", self.faults.correlation_window_ms),
+            (
+                "faults.correlation_window_ms",
+                self.faults.correlation_window_ms,
+            ),
         ] {
             if v == 0 || v > 600_000 {
                 return Err(bad(key, format!("{v} is not in 1..=600000")));
@@ -276,7 +282,10 @@ impl Config {
             ));
         }
         if self.backend == Backend::Sim && !(1..=64).contains(&self.sim.gpus) {
-            return Err(bad("sim.gpus", format!("{} is not in 1..=64", self.sim.gpus)));
+            return Err(bad(
+                "sim.gpus",
+                format!("{} is not in 1..=64", self.sim.gpus),
+            ));
         }
         for rel in [&self.socket, &self.state_dir, &self.run_dir] {
             if !rel.is_absolute() {
@@ -358,7 +367,10 @@ mod tests {
         let d = Config::default();
         assert_eq!(c.socket, d.socket);
         assert_eq!(c.mps.fault_grace_ms, d.mps.fault_grace_ms);
-        assert_eq!(c.faults.correlation_window_ms, d.faults.correlation_window_ms);
+        assert_eq!(
+            c.faults.correlation_window_ms,
+            d.faults.correlation_window_ms
+        );
         assert_eq!(c.sim.recovery_ms, d.sim.recovery_ms);
         assert_eq!(c.slurm.max_attempts, d.slurm.max_attempts);
     }
@@ -375,7 +387,9 @@ mod tests {
     fn bad_values_named() {
         let e = parse("backend = \"cuda\"\n").unwrap_err().to_string();
         assert!(e.contains("cuda"), "{e}");
-        let e = parse("[mps]\ndefault_thread_pct = 0\n").unwrap_err().to_string();
+        let e = parse("[mps]\ndefault_thread_pct = 0\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("mps.default_thread_pct"), "{e}");
         let e = parse("[mps]\ndefault_pinned_mem_limit = \"12Q\"\n")
             .unwrap_err()

@@ -32,13 +32,19 @@ pub enum Action {
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Action::TerminateClient { gpu, pid } => write!(f, "terminate_client gpu{gpu} pid {pid}"),
+            Action::TerminateClient { gpu, pid } => {
+                write!(f, "terminate_client gpu{gpu} pid {pid}")
+            }
             Action::Requeue { job_id } => write!(f, "requeue job {job_id}"),
             Action::Resume {
                 job_id,
                 step_id,
                 pid,
-            } => write!(f, "resume job {job_id} step {} task pid {pid}", step_name(*step_id)),
+            } => write!(
+                f,
+                "resume job {job_id} step {} task pid {pid}",
+                step_name(*step_id)
+            ),
             Action::FailTask {
                 job_id, pid, why, ..
             } => write!(f, "fail job {job_id} task pid {pid} ({why})"),
@@ -202,7 +208,8 @@ mod tests {
         r.register(task(2, 201, &[0], Mode::Resume, false)).unwrap();
         r.register(task(3, 301, &[0], Mode::Off, true)).unwrap();
         r.register(task(4, 401, &[1], Mode::Requeue, true)).unwrap();
-        r.register(task(5, 501, &[0, 1], Mode::Requeue, true)).unwrap();
+        r.register(task(5, 501, &[0, 1], Mode::Requeue, true))
+            .unwrap();
         r
     }
 
@@ -286,11 +293,16 @@ mod tests {
         let d = run(&e);
         assert_eq!(d.class, FaultClass::AppSm);
         assert_eq!(d.hit, [1, 2, 3, 5].into());
-        assert!(d.actions.contains(&Action::TerminateClient { gpu: 0, pid: 101 }));
+        assert!(d
+            .actions
+            .contains(&Action::TerminateClient { gpu: 0, pid: 101 }));
         // Culprit job failed, not requeued; the others recovered.
         assert!(!d.actions.contains(&Action::Requeue { job_id: 1 }));
         assert!(d.actions.contains(&Action::Requeue { job_id: 5 }));
-        assert!(!d.actions.iter().any(|a| matches!(a, Action::DrainNode { .. })));
+        assert!(!d
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::DrainNode { .. })));
     }
 
     #[test]
@@ -312,15 +324,29 @@ mod tests {
 
     #[test]
     fn each_hw_class() {
-        for (xid, drain) in [(94, false), (95, true), (48, true), (64, true), (140, true), (74, true), (119, true), (120, true)] {
+        for (xid, drain) in [
+            (94, false),
+            (95, true),
+            (48, true),
+            (64, true),
+            (140, true),
+            (74, true),
+            (119, true),
+            (120, true),
+        ] {
             let d = run(&ev(1, &[xid]));
             assert_eq!(d.hit, [4, 5].into(), "xid {xid}");
             assert_eq!(
-                d.actions.iter().any(|a| matches!(a, Action::DrainNode { .. })),
+                d.actions
+                    .iter()
+                    .any(|a| matches!(a, Action::DrainNode { .. })),
                 drain,
                 "xid {xid}"
             );
-            assert!(d.actions.contains(&Action::Requeue { job_id: 4 }), "xid {xid}");
+            assert!(
+                d.actions.contains(&Action::Requeue { job_id: 4 }),
+                "xid {xid}"
+            );
         }
     }
 
@@ -337,7 +363,8 @@ mod tests {
     #[test]
     fn requeue_mode_srun_job_falls_back_to_resume() {
         let mut r = Registry::default();
-        r.register(task(7, 701, &[0], Mode::Requeue, false)).unwrap();
+        r.register(task(7, 701, &[0], Mode::Requeue, false))
+            .unwrap();
         let d = decide(&ev(0, &[43]), &r, &Classifier::default(), "n1", |_| None);
         assert_eq!(
             d.actions,

@@ -200,7 +200,10 @@ mod tests {
             n += 1;
             n
         };
-        assert_eq!(c.merge(0, &sig(Source::Nvml, Some(31), t), &mut id), Merge::New(1));
+        assert_eq!(
+            c.merge(0, &sig(Source::Nvml, Some(31), t), &mut id),
+            Merge::New(1)
+        );
         let mut k = sig(Source::Kmsg, Some(31), t + Duration::from_millis(3));
         k.reported_pid = Some(494);
         assert_eq!(
@@ -216,8 +219,15 @@ mod tests {
         assert_eq!(e.sources.len(), 2);
         // Xid 13 then 43 (misaligned store) are one fault.
         assert_eq!(
-            c.merge(0, &sig(Source::Kmsg, Some(43), t + Duration::from_millis(5)), &mut id),
-            Merge::Joined { id: 1, changed: true }
+            c.merge(
+                0,
+                &sig(Source::Kmsg, Some(43), t + Duration::from_millis(5)),
+                &mut id
+            ),
+            Merge::Joined {
+                id: 1,
+                changed: true
+            }
         );
     }
 
@@ -231,14 +241,25 @@ mod tests {
             n
         };
         c.merge(0, &sig(Source::Nvml, Some(31), t), &mut id);
-        assert_eq!(c.merge(1, &sig(Source::Nvml, Some(31), t), &mut id), Merge::New(2));
         assert_eq!(
-            c.merge(0, &sig(Source::Nvml, Some(31), t + Duration::from_secs(2)), &mut id),
+            c.merge(1, &sig(Source::Nvml, Some(31), t), &mut id),
+            Merge::New(2)
+        );
+        assert_eq!(
+            c.merge(
+                0,
+                &sig(Source::Nvml, Some(31), t + Duration::from_secs(2)),
+                &mut id
+            ),
             Merge::New(3)
         );
         // A client exit alone is not a fault.
         assert_eq!(
-            c.merge(5, &sig(Source::ClientExit, None, t + Duration::from_secs(2)), &mut id),
+            c.merge(
+                5,
+                &sig(Source::ClientExit, None, t + Duration::from_secs(2)),
+                &mut id
+            ),
             Merge::Ignored
         );
     }

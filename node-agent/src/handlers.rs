@@ -31,7 +31,10 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
         } => {
             let mut st = agent.state();
             let Some(t) = st.d.registry.get((job_id, step_id, pid)).cloned() else {
-                return Response::error(ErrorCode::NotFound, format!("task {job_id}.{step_id} pid {pid} is not registered"));
+                return Response::error(
+                    ErrorCode::NotFound,
+                    format!("task {job_id}.{step_id} pid {pid} is not registered"),
+                );
             };
             if !trusted && t.uid != peer.uid {
                 return denied(format!("job {job_id} belongs to another user"));
@@ -59,7 +62,12 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
         Request::Status => status(agent, peer, trusted),
         Request::Events { limit } => {
             let st = agent.state();
-            let own = st.d.registry.tasks().filter(|t| t.uid == peer.uid).map(|t| t.job_id).collect::<std::collections::BTreeSet<_>>();
+            let own =
+                st.d.registry
+                    .tasks()
+                    .filter(|t| t.uid == peer.uid)
+                    .map(|t| t.job_id)
+                    .collect::<std::collections::BTreeSet<_>>();
             let mut events: Vec<DecisionRecord> = st
                 .history
                 .iter()
@@ -86,7 +94,10 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let st = agent.state();
             let owner = st.d.registry.job_owner(job_id);
             if !trusted && owner != Some(peer.uid) {
-                return denied(format!("job {job_id} is not a registered job of uid {}", peer.uid));
+                return denied(format!(
+                    "job {job_id} is not a registered job of uid {}",
+                    peer.uid
+                ));
             }
             Response::JobReport(job_report(&st.history, &st.d.outcomes, job_id))
         }
@@ -100,7 +111,10 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 let st = agent.state();
                 let owner = st.d.registry.get((job_id, step_id, pid)).map(|t| t.uid);
                 if !trusted && owner != Some(peer.uid) {
-                    return denied(format!("task {key} is not a registered task of uid {}", peer.uid));
+                    return denied(format!(
+                        "task {key} is not a registered task of uid {}",
+                        peer.uid
+                    ));
                 }
             }
             let (verdict, reason) = agent.resume_verdict(&key);
@@ -136,7 +150,10 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             agent.mark_dirty();
             match removed {
                 Some(_) => Response::Ok,
-                None => Response::error(ErrorCode::NotFound, format!("gpu{gpu} is not marked unhealthy")),
+                None => Response::error(
+                    ErrorCode::NotFound,
+                    format!("gpu{gpu} is not marked unhealthy"),
+                ),
             }
         }
     }
@@ -146,7 +163,10 @@ fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
     let mut out = Vec::new();
     for g in gpus {
         let Some(info) = agent.backend.gpus().get(*g as usize) else {
-            return Response::error(ErrorCode::NotFound, format!("no GPU {g} on node {}", agent.node));
+            return Response::error(
+                ErrorCode::NotFound,
+                format!("no GPU {g} on node {}", agent.node),
+            );
         };
         out.push(GpuContext {
             gpu: *g,
@@ -163,16 +183,31 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     let uid = match (trusted, r.uid) {
         (true, u) => u.unwrap_or(peer.uid),
         (false, Some(u)) if u != peer.uid => {
-            tracing::warn!(peer_uid = peer.uid, claimed_uid = u, job = r.job_id, "registration with a false uid refused");
-            return denied(format!("uid {u} claimed, but the caller is uid {}", peer.uid));
+            tracing::warn!(
+                peer_uid = peer.uid,
+                claimed_uid = u,
+                job = r.job_id,
+                "registration with a false uid refused"
+            );
+            return denied(format!(
+                "uid {u} claimed, but the caller is uid {}",
+                peer.uid
+            ));
         }
         (false, _) => peer.uid,
     };
     if r.gpus.is_empty() {
         return Response::error(ErrorCode::BadRequest, "no GPUs given");
     }
-    if let Some(g) = r.gpus.iter().find(|g| **g as usize >= agent.backend.gpus().len()) {
-        return Response::error(ErrorCode::NotFound, format!("no GPU {g} on node {}", agent.node));
+    if let Some(g) = r
+        .gpus
+        .iter()
+        .find(|g| **g as usize >= agent.backend.gpus().len())
+    {
+        return Response::error(
+            ErrorCode::NotFound,
+            format!("no GPU {g} on node {}", agent.node),
+        );
     }
     if r.threads_pct.is_some_and(|p| p == 0 || p > 100) {
         return Response::error(ErrorCode::BadRequest, "threads_pct must be in 1..=100");
@@ -181,7 +216,10 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
         return Response::error(ErrorCode::NotFound, format!("no process {}", r.pid));
     };
     if !trusted && procfs::uid(r.pid) != Some(peer.uid) {
-        return denied(format!("process {} does not belong to uid {}", r.pid, peer.uid));
+        return denied(format!(
+            "process {} does not belong to uid {}",
+            r.pid, peer.uid
+        ));
     }
     let task = Task::from_registration(&r, uid, Some(start));
     let gen = {
@@ -193,7 +231,10 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     };
     // Reply only once the registration is on disk: an agent crash right after loses nothing.
     if !agent.wait_durable(gen) {
-        return Response::error(ErrorCode::Internal, "registration not yet persisted (state dir slow?)");
+        return Response::error(
+            ErrorCode::Internal,
+            "registration not yet persisted (state dir slow?)",
+        );
     }
     Response::Ok
 }
@@ -221,7 +262,11 @@ fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
             pci_bus_id: g.pci.to_string(),
             state: agent.backend.server_state(g.index),
             // Client pids of other users are not shown to a user.
-            clients: if trusted { agent.backend.clients(g.index) } else { vec![] },
+            clients: if trusted {
+                agent.backend.clients(g.index)
+            } else {
+                vec![]
+            },
             unhealthy: unhealthy.get(&g.index).map(|(_, r)| r.clone()),
         })
         .collect();

@@ -112,7 +112,9 @@ fn tail_loop(gpu: u32, path: &Path, tx: Sender<Signal>) {
     let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     loop {
         std::thread::sleep(Duration::from_millis(100));
-        let Ok(mut f) = File::open(path) else { continue };
+        let Ok(mut f) = File::open(path) else {
+            continue;
+        };
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         if len < pos {
             pos = 0; // rotated or truncated

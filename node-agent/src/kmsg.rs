@@ -36,7 +36,11 @@ impl PciAddr {
 
 impl fmt::Display for PciAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:04x}:{:02x}:{:02x}", self.domain, self.bus, self.device)
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}",
+            self.domain, self.bus, self.device
+        )
     }
 }
 
@@ -117,10 +121,7 @@ pub fn parse_line(line: &str) -> Option<KernelLine> {
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(after.len());
     let xid: u32 = after[..num_end].parse().ok()?;
-    let detail = after[num_end..]
-        .trim_start_matches(',')
-        .trim()
-        .to_string();
+    let detail = after[num_end..].trim_start_matches(',').trim().to_string();
     let pid = field(&detail, "pid=").and_then(|v| v.parse().ok());
     let name = field(&detail, "name=")
         .filter(|v| *v != "<unknown>")
@@ -199,7 +200,9 @@ mod tests {
 
     #[test]
     fn knowledge_sample_xid43_names_mps_server() {
-        let x = xid("NVRM: Xid (PCI:0000:00:06): 43, pid=566, name=nvidia-cuda-mps, channel 0x0000000a");
+        let x = xid(
+            "NVRM: Xid (PCI:0000:00:06): 43, pid=566, name=nvidia-cuda-mps, channel 0x0000000a",
+        );
         assert_eq!((x.xid, x.pid), (43, Some(566)));
         assert_eq!(x.name.as_deref(), Some("nvidia-cuda-mps"));
     }

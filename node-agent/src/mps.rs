@@ -106,11 +106,15 @@ impl MpsDaemon {
 
     pub fn set_defaults(&self, thread_pct: u8, mem_limit: &str) -> Result<(), MpsError> {
         if thread_pct < 100 {
-            self.send(&format!("set_default_active_thread_percentage {thread_pct}"))?;
+            self.send(&format!(
+                "set_default_active_thread_percentage {thread_pct}"
+            ))?;
         }
         if !mem_limit.is_empty() {
             // Device 0: inside the daemon's CUDA_VISIBLE_DEVICES the one GPU is ordinal 0.
-            self.send(&format!("set_default_device_pinned_mem_limit 0 {mem_limit}"))?;
+            self.send(&format!(
+                "set_default_device_pinned_mem_limit 0 {mem_limit}"
+            ))?;
         }
         Ok(())
     }
@@ -163,8 +167,14 @@ pub enum ControlLogEvent {
     Fault,
     /// `NEW SERVER <pid>: Ready`.
     Ready(u32),
-    ServerExited { pid: u32, status: i32 },
-    Terminated { server: u32, client: u32 },
+    ServerExited {
+        pid: u32,
+        status: i32,
+    },
+    Terminated {
+        server: u32,
+        client: u32,
+    },
 }
 
 pub fn parse_control_log(line: &str) -> Option<ControlLogEvent> {
@@ -212,7 +222,9 @@ pub fn run_bounded(
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
     let binary = format!("{:?}", c.get_program());
-    let mut child = c.spawn().map_err(|source| MpsError::Spawn { binary, source })?;
+    let mut child = c
+        .spawn()
+        .map_err(|source| MpsError::Spawn { binary, source })?;
     if let (Some(input), Some(mut si)) = (stdin, child.stdin.take()) {
         let _ = si.write_all(input.as_bytes());
         let _ = si.write_all(b"\n");
@@ -301,7 +313,9 @@ mod tests {
             Some(ControlLogEvent::Fault)
         );
         assert_eq!(
-            parse_control_log("[... Control 73] Server encountered a fatal exception. Shutting down"),
+            parse_control_log(
+                "[... Control 73] Server encountered a fatal exception. Shutting down"
+            ),
             Some(ControlLogEvent::Fault)
         );
         assert_eq!(
@@ -315,7 +329,10 @@ mod tests {
                 client: 765
             })
         );
-        assert_eq!(parse_control_log("[x] Starting new server 497 for user 0"), None);
+        assert_eq!(
+            parse_control_log("[x] Starting new server 497 for user 0"),
+            None
+        );
         assert_eq!(parse_control_log(""), None);
     }
 
@@ -327,7 +344,13 @@ mod tests {
         let e = run_bounded(c, None, Duration::from_millis(200), "sleep").unwrap_err();
         assert!(matches!(e, MpsError::Timeout { .. }));
         assert!(t.elapsed() < Duration::from_secs(2));
-        let (ok, out) = run_bounded(Command::new("cat"), Some("get_server_list"), Duration::from_secs(5), "cat").unwrap();
+        let (ok, out) = run_bounded(
+            Command::new("cat"),
+            Some("get_server_list"),
+            Duration::from_secs(5),
+            "cat",
+        )
+        .unwrap();
         assert!(ok);
         assert_eq!(out, "get_server_list");
     }

@@ -98,10 +98,21 @@ fn handle_conn(agent: &Agent, mut s: UnixStream) {
             Ok(b) => b,
             Err(FrameError::Closed) => return,
             Err(FrameError::TooLarge(n)) => {
-                tracing::warn!(uid = peer.uid, pid = peer.pid, bytes = n, "oversized frame refused");
+                tracing::warn!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    bytes = n,
+                    "oversized frame refused"
+                );
                 let _ = mpsr_proto::write_frame(
                     &mut s,
-                    &Response::error(ErrorCode::BadRequest, format!("frame of {n} bytes exceeds limit of {}", mpsr_proto::MAX_FRAME)),
+                    &Response::error(
+                        ErrorCode::BadRequest,
+                        format!(
+                            "frame of {n} bytes exceeds limit of {}",
+                            mpsr_proto::MAX_FRAME
+                        ),
+                    ),
                 );
                 return; // the stream position is unknown now
             }

@@ -125,12 +125,17 @@ impl Scontrol {
 
 pub fn classify_requeue_error(job_id: u32, out: &str) -> Outcome {
     if out.contains("Only batch jobs") {
-        Outcome::Permanent(format!("job {job_id} is not a batch job; Slurm cannot requeue it"))
+        Outcome::Permanent(format!(
+            "job {job_id} is not a batch job; Slurm cannot requeue it"
+        ))
     } else if out.contains("pending execution") || out.contains("already pending") {
         Outcome::Done(format!("job {job_id} already pending (requeued before)"))
     } else if out.contains("Invalid job id") {
         Outcome::Permanent(format!("job {job_id} no longer exists"))
-    } else if out.contains("disabled") || out.contains("not requeueable") || out.contains("Requeue") && out.contains("not") {
+    } else if out.contains("disabled")
+        || out.contains("not requeueable")
+        || out.contains("Requeue") && out.contains("not")
+    {
         Outcome::Permanent(format!("job {job_id}: {out}"))
     } else {
         Outcome::Retry(out.to_string())
@@ -149,7 +154,11 @@ pub fn parse_node_line(out: &str) -> (String, String) {
         .find(" Reason=")
         .map(|i| out[i + 8..].trim().to_string())
         .unwrap_or_default();
-    let reason = if reason == "(null)" { String::new() } else { reason };
+    let reason = if reason == "(null)" {
+        String::new()
+    } else {
+        reason
+    };
     (state, reason)
 }
 
@@ -160,11 +169,17 @@ mod tests {
     #[test]
     fn requeue_errors() {
         assert!(matches!(
-            classify_requeue_error(3, "scontrol: error: Only batch jobs are accepted or processed for job 3"),
+            classify_requeue_error(
+                3,
+                "scontrol: error: Only batch jobs are accepted or processed for job 3"
+            ),
             Outcome::Permanent(_)
         ));
         assert!(matches!(
-            classify_requeue_error(3, "Requeue of JobId=3 returned an error: Job is pending execution"),
+            classify_requeue_error(
+                3,
+                "Requeue of JobId=3 returned an error: Job is pending execution"
+            ),
             Outcome::Done(_)
         ));
         assert!(matches!(
@@ -192,7 +207,10 @@ mod tests {
             scontrol: "/nonexistent/scontrol".into(),
             ..SlurmConfig::default()
         });
-        assert!(matches!(s.execute(&SlurmOp::Requeue { job_id: 1 }), Outcome::Retry(_)));
+        assert!(matches!(
+            s.execute(&SlurmOp::Requeue { job_id: 1 }),
+            Outcome::Retry(_)
+        ));
         assert_eq!(s.backoff(0), Duration::from_millis(500));
         assert_eq!(s.backoff(30), Duration::from_millis(60_000));
     }

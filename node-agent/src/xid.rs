@@ -148,11 +148,27 @@ impl ClassPolicy {
 pub const XID_TABLE: &[(u32, FaultClass, &str)] = &[
     (13, FaultClass::AppSm, "graphics engine exception"),
     (31, FaultClass::AppMemory, "GPU memory page fault (MMU)"),
-    (43, FaultClass::AppSm, "GPU stopped processing (reset channel)"),
-    (45, FaultClass::AppSm, "preemptive cleanup, due to previous errors"),
+    (
+        43,
+        FaultClass::AppSm,
+        "GPU stopped processing (reset channel)",
+    ),
+    (
+        45,
+        FaultClass::AppSm,
+        "preemptive cleanup, due to previous errors",
+    ),
     (48, FaultClass::HwUncontained, "double bit ECC error"),
-    (63, FaultClass::Info, "ECC page retirement or row remap recorded"),
-    (64, FaultClass::HwUncontained, "ECC page retirement or row remap failure"),
+    (
+        63,
+        FaultClass::Info,
+        "ECC page retirement or row remap recorded",
+    ),
+    (
+        64,
+        FaultClass::HwUncontained,
+        "ECC page retirement or row remap failure",
+    ),
     (68, FaultClass::AppSm, "NVDEC0 exception"),
     (74, FaultClass::Interconnect, "NVLink error"),
     (79, FaultClass::DeviceLost, "GPU has fallen off the bus"),
@@ -252,7 +268,10 @@ mod tests {
         let c = Classifier::default();
         for class in FaultClass::ALL {
             let p = c.policy(class);
-            assert_eq!(p.drain, class.is_hardware() && class != FaultClass::HwContained);
+            assert_eq!(
+                p.drain,
+                class.is_hardware() && class != FaultClass::HwContained
+            );
             if p.drain {
                 assert!(class.is_hardware());
             }

@@ -88,9 +88,13 @@ pub struct Registration {
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Liveness and version check.
-    Hello { version: u32 },
+    Hello {
+        version: u32,
+    },
     /// MPS client context for these GPUs (pipe and log dirs, limits).
-    GpuContexts { gpus: Vec<u32> },
+    GpuContexts {
+        gpus: Vec<u32>,
+    },
     Register(Registration),
     /// A task ended. `exit_status` is the raw wait status when known.
     Deregister {
@@ -101,15 +105,25 @@ pub enum Request {
         exit_status: Option<i32>,
     },
     /// A job ended on this node: drop what is left of it and return its fault report.
-    JobEnd { job_id: u32 },
+    JobEnd {
+        job_id: u32,
+    },
     /// Jobs, GPUs and MPS server states (filtered to the caller's jobs unless trusted).
     Status,
     /// The most recent decisions.
-    Events { limit: u32 },
+    Events {
+        limit: u32,
+    },
     /// What hit this job and what was done.
-    JobReport { job_id: u32 },
+    JobReport {
+        job_id: u32,
+    },
     /// Asked by a resume supervisor after its child died: may it restart?
-    ResumeQuery { job_id: u32, step_id: u32, pid: u32 },
+    ResumeQuery {
+        job_id: u32,
+        step_id: u32,
+        pid: u32,
+    },
     /// Node health for the health check.
     Health,
     /// Inject a simulated fault (sim backend only, trusted callers only).
@@ -120,9 +134,13 @@ pub enum Request {
         culprit: Option<u32>,
     },
     /// Bring a simulated lost GPU back (models a GPU reset; sim backend only).
-    SimRecover { gpu: u32 },
+    SimRecover {
+        gpu: u32,
+    },
     /// Mark a GPU healthy again after an operator fixed it (trusted callers only).
-    ClearGpu { gpu: u32 },
+    ClearGpu {
+        gpu: u32,
+    },
 }
 
 /// MPS server state as the agent sees it.

@@ -43,21 +43,33 @@ pub fn self_check(cfg: &Config) -> Vec<(String, Result<String, String>)> {
                         let d = n.device_by_index(i);
                         out.push((
                             format!("GPU {i}"),
-                            d.and_then(|d| Ok(format!("{} {} {}", d.name()?, d.uuid()?, d.pci_info()?.bus_id)))
-                                .map_err(|e| e.to_string()),
+                            d.and_then(|d| {
+                                Ok(format!(
+                                    "{} {} {}",
+                                    d.name()?,
+                                    d.uuid()?,
+                                    d.pci_info()?.bus_id
+                                ))
+                            })
+                            .map_err(|e| e.to_string()),
                         ));
                     }
                 }
                 Err(e) => out.push(("GPU count".into(), Err(e.to_string()))),
             }
         }
-        Err(e) => out.push(("NVML".into(), Err(format!("{e} (is libnvidia-ml.so.1 installed?)")))),
+        Err(e) => out.push((
+            "NVML".into(),
+            Err(format!("{e} (is libnvidia-ml.so.1 installed?)")),
+        )),
     }
     let bin = &cfg.mps.control_binary;
     let found = which(bin);
     out.push((
         "nvidia-cuda-mps-control".into(),
-        found.map(|p| p.display().to_string()).ok_or_else(|| format!("{} not found in PATH", bin.display())),
+        found
+            .map(|p| p.display().to_string())
+            .ok_or_else(|| format!("{} not found in PATH", bin.display())),
     ));
     out.push((
         "kernel log".into(),
@@ -84,7 +96,9 @@ impl NvmlBackend {
         let nvml = Nvml::init().map_err(|e| BackendError::Nvml(format!("init: {e}")))?;
         // The agent keeps NVML for its whole life; leaking one handle gives threads a 'static borrow.
         let nvml: &'static Nvml = Box::leak(Box::new(nvml));
-        let n = nvml.device_count().map_err(|e| BackendError::Nvml(e.to_string()))?;
+        let n = nvml
+            .device_count()
+            .map_err(|e| BackendError::Nvml(e.to_string()))?;
         let mut gpus = Vec::new();
         let mut daemons = Vec::new();
         for i in 0..n {
@@ -92,7 +106,10 @@ impl NvmlBackend {
                 .device_by_index(i)
                 .map_err(|e| BackendError::Nvml(format!("device {i}: {e}")))?;
             let uuid = d.uuid().map_err(|e| BackendError::Nvml(e.to_string()))?;
-            let bus = d.pci_info().map_err(|e| BackendError::Nvml(e.to_string()))?.bus_id;
+            let bus = d
+                .pci_info()
+                .map_err(|e| BackendError::Nvml(e.to_string()))?
+                .bus_id;
             let pci = PciAddr::parse(&bus)
                 .ok_or_else(|| BackendError::Nvml(format!("unparsable PCI bus id {bus}")))?;
             let pipe = crate::mps::pipe_dir(&cfg.run_dir, i);
@@ -120,16 +137,20 @@ impl NvmlBackend {
             daemons,
             thread_pct: cfg.mps.default_thread_pct,
             mem_limit: cfg.mps.default_pinned_mem_limit.clone(),
-            kmsg: cfg
-                .faults
-                .kmsg
-                .then(|| (cfg.faults.kmsg_path.clone(), cfg.state_dir.join("kmsg-cursor.json"))),
+            kmsg: cfg.faults.kmsg.then(|| {
+                (
+                    cfg.faults.kmsg_path.clone(),
+                    cfg.state_dir.join("kmsg-cursor.json"),
+                )
+            }),
             mps_logs: cfg.faults.mps_logs,
         })
     }
 
     fn daemon(&self, gpu: u32) -> Result<&MpsDaemon, BackendError> {
-        self.daemons.get(gpu as usize).ok_or(BackendError::NoSuchGpu(gpu))
+        self.daemons
+            .get(gpu as usize)
+            .ok_or(BackendError::NoSuchGpu(gpu))
     }
 
     fn xid_loop(nvml: &'static Nvml, n: u32, tx: Sender<Signal>) {
@@ -169,7 +190,10 @@ impl NvmlBackend {
                 Err(NvmlError::GpuLost) => {
                     // Which GPU is lost is not said here; find it and report it as Xid 79.
                     for i in 0..n {
-                        if matches!(nvml.device_by_index(i).and_then(|d| d.uuid()), Err(NvmlError::GpuLost)) {
+                        if matches!(
+                            nvml.device_by_index(i).and_then(|d| d.uuid()),
+                            Err(NvmlError::GpuLost)
+                        ) {
                             let mut s = Signal::new(Source::Nvml, GpuRef::Index(i), Some(79));
                             s.detail = "NVML: GPU is lost".into();
                             let _ = tx.send(s);
@@ -199,9 +223,15 @@ impl GpuBackend for NvmlBackend {
 
     fn start(&self, tx: Sender<Signal>) -> Result<(), BackendError> {
         for d in &self.daemons {
-            d.start().map_err(|e| BackendError::Mps { gpu: d.gpu, message: e.to_string() })?;
+            d.start().map_err(|e| BackendError::Mps {
+                gpu: d.gpu,
+                message: e.to_string(),
+            })?;
             d.set_defaults(self.thread_pct, &self.mem_limit)
-                .map_err(|e| BackendError::Mps { gpu: d.gpu, message: e.to_string() })?;
+                .map_err(|e| BackendError::Mps {
+                    gpu: d.gpu,
+                    message: e.to_string(),
+                })?;
             if self.mps_logs {
                 crate::intake::spawn_control_log_tail(d.gpu, d.control_log(), tx.clone());
             }
@@ -228,8 +258,12 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn clients(&self, gpu: u32) -> Vec<u32> {
-        let Ok(d) = self.daemon(gpu) else { return vec![] };
-        let Ok(servers) = d.server_list() else { return vec![] };
+        let Ok(d) = self.daemon(gpu) else {
+            return vec![];
+        };
+        let Ok(servers) = d.server_list() else {
+            return vec![];
+        };
         servers
             .iter()
             .flat_map(|s| d.client_list(*s).unwrap_or_default())
@@ -238,13 +272,17 @@ impl GpuBackend for NvmlBackend {
 
     fn terminate_client(&self, gpu: u32, pid: u32) -> Result<(), BackendError> {
         let d = self.daemon(gpu)?;
-        let servers = d.server_list().map_err(|e| BackendError::Mps { gpu, message: e.to_string() })?;
+        let servers = d.server_list().map_err(|e| BackendError::Mps {
+            gpu,
+            message: e.to_string(),
+        })?;
         for s in servers {
             let clients = d.client_list(s).unwrap_or_default();
             if clients.contains(&pid) {
-                return d
-                    .terminate_client(s, pid)
-                    .map_err(|e| BackendError::Mps { gpu, message: e.to_string() });
+                return d.terminate_client(s, pid).map_err(|e| BackendError::Mps {
+                    gpu,
+                    message: e.to_string(),
+                });
             }
         }
         Ok(())

@@ -144,7 +144,12 @@ impl SimBackend {
         }
     }
 
-    fn accept_loop(state: Arc<Vec<Mutex<SimGpu>>>, idx: usize, listener: UnixListener, me: Arc<SimBackendShared>) {
+    fn accept_loop(
+        state: Arc<Vec<Mutex<SimGpu>>>,
+        idx: usize,
+        listener: UnixListener,
+        me: Arc<SimBackendShared>,
+    ) {
         for stream in listener.incoming() {
             let Ok(stream) = stream else { continue };
             let state = state.clone();
@@ -153,7 +158,12 @@ impl SimBackend {
         }
     }
 
-    fn serve_client(state: Arc<Vec<Mutex<SimGpu>>>, idx: usize, stream: UnixStream, me: Arc<SimBackendShared>) {
+    fn serve_client(
+        state: Arc<Vec<Mutex<SimGpu>>>,
+        idx: usize,
+        stream: UnixStream,
+        me: Arc<SimBackendShared>,
+    ) {
         let pid = peer_pid(&stream).unwrap_or(0);
         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
         let mut reader = BufReader::new(match stream.try_clone() {
@@ -165,7 +175,9 @@ impl SimBackend {
             return;
         }
         let busy = !hello.contains("idle");
-        let conn = me.next_conn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let conn = me
+            .next_conn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         {
             let mut g = lock(&state[idx]);
             g.tick();
@@ -321,7 +333,10 @@ impl GpuBackend for SimBackend {
         let Some(c) = g.clients.iter_mut().find(|c| c.pid == pid) else {
             return Ok(()); // already gone: terminating is idempotent
         };
-        let _ = writeln!(&c.stream, "TERMINATED the MPS client has been terminated by the server");
+        let _ = writeln!(
+            &c.stream,
+            "TERMINATED the MPS client has been terminated by the server"
+        );
         let _ = c.stream.shutdown(std::net::Shutdown::Write);
         Ok(())
     }
@@ -336,7 +351,12 @@ impl GpuBackend for SimBackend {
         }
     }
 
-    fn sim_inject(&self, gpu: u32, xid: u32, culprit: Option<u32>) -> Result<Vec<u32>, BackendError> {
+    fn sim_inject(
+        &self,
+        gpu: u32,
+        xid: u32,
+        culprit: Option<u32>,
+    ) -> Result<Vec<u32>, BackendError> {
         let m = self.gpu(gpu)?;
         let class = self.classifier.class_of(xid);
         let mut g = lock(m);
@@ -370,9 +390,20 @@ impl GpuBackend for SimBackend {
         }
         drop(g);
 
+        // The patched driver prints its isolation line before it raises the Xid (driver-patch/).
+        if isolated {
+            self.emit_kmsg(format!(
+                "NVRM: mpsr-isolate (PCI:{pci}): xid={xid} culprit_pid={} contained=1 (simulated)",
+                culprit.unwrap_or(0)
+            ));
+        }
         // The NVML-like event: an Xid and a device, never a pid. A misaligned store reports 43 there.
         let nvml_xid = if xid == 13 { 43 } else { xid };
-        self.emit(Signal::new(Source::Nvml, GpuRef::Index(gpu), Some(nvml_xid)));
+        self.emit(Signal::new(
+            Source::Nvml,
+            GpuRef::Index(gpu),
+            Some(nvml_xid),
+        ));
         // Kernel lines with the attribution measured under MPS.
         let server_pid = std::process::id();
         let line = match xid {
@@ -389,12 +420,6 @@ impl GpuBackend for SimBackend {
         if xid == 13 {
             self.emit_kmsg(format!(
                 "NVRM: Xid (PCI:{pci}): 43, pid={server_pid}, name=nvidia-cuda-mps, channel 0x0000000a (simulated)"
-            ));
-        }
-        if isolated {
-            self.emit_kmsg(format!(
-                "NVRM: mpsr-isolate (PCI:{pci}): xid={xid} culprit_pid={} contained=1 (simulated)",
-                culprit.unwrap_or(0)
             ));
         }
         Ok(killed.into_iter().map(|(p, _)| p).collect())

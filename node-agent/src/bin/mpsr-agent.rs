@@ -1,0 +1,129 @@
+//! mpsr-agent: the per-node daemon (root, systemd).
+
+use clap::Parser;
+use mpsr_agent::agent::Agent;
+use mpsr_agent::backend::{nvml::NvmlBackend, sim::SimBackend, GpuBackend};
+use mpsr_agent::config::{Backend, Config, DEFAULT_PATH};
+use mpsr_agent::xid::Classifier;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(version, about = "mps-resilient node agent")]
+struct Args {
+    /// Configuration file.
+    #[arg(long, default_value = DEFAULT_PATH)]
+    config: PathBuf,
+    /// Print what works on this node (NVML, driver, MPS binary, kernel log) and exit.
+    #[arg(long)]
+    self_check: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let cfg = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mpsr-agent: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if args.self_check {
+        let mut ok = true;
+        for (what, r) in mpsr_agent::backend::nvml::self_check(&cfg) {
+            match r {
+                Ok(m) => println!("ok    {what}: {m}"),
+                Err(m) => {
+                    ok = false;
+                    println!("FAIL  {what}: {m}")
+                }
+            }
+        }
+        return if ok { 0.into() } else { 1.into() };
+    }
+    mpsr_agent::logging::init(&cfg.log, c"mpsr-agent");
+    match run(cfg) {
+        Ok(()) => 0.into(),
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("mpsr-agent: {e}");
+            1.into()
+        }
+    }
+}
+
+fn node_name(cfg: &Config) -> String {
+    if !cfg.node_name.is_empty() {
+        return cfg.node_name.clone();
+    }
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    h.trim()
+        .split('.')
+        .next()
+        .unwrap_or("localhost")
+        .to_string()
+}
+
+fn resolve_uid(user: &str) -> Option<u32> {
+    if user.is_empty() {
+        return None;
+    }
+    let c = std::ffi::CString::new(user).ok()?;
+    // SAFETY: c is a valid NUL-terminated string; getpwnam returns NULL or a pointer to static data
+    // that we read immediately on this thread.
+    let pw = unsafe { libc::getpwnam(c.as_ptr()) };
+    if pw.is_null() {
+        None
+    } else {
+        // SAFETY: pw is non-NULL and points to a passwd struct.
+        Some(unsafe { (*pw).pw_uid })
+    }
+}
+
+fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
+    let path = PathBuf::from("agent.toml");
+    let classifier = Classifier::new(&cfg.xid_overrides(&path)?, &cfg.policy_overrides(&path)?);
+    let backend: Arc<dyn GpuBackend> = match cfg.backend {
+        Backend::Sim => {
+            tracing::warn!(
+                gpus = cfg.sim.gpus,
+                "SIMULATED GPUs: backend = sim (no real GPU is used)"
+            );
+            Arc::new(SimBackend::new(
+                cfg.sim.gpus,
+                &cfg.run_dir,
+                classifier.clone(),
+                cfg.sim.isolation,
+                cfg.sim.recovery_ms,
+            )?)
+        }
+        Backend::Nvml => Arc::new(NvmlBackend::new(&cfg)?),
+    };
+    let mut trusted: std::collections::BTreeSet<u32> = cfg.trusted_uids.iter().copied().collect();
+    trusted.extend(resolve_uid(&cfg.slurm_user));
+    let node = node_name(&cfg);
+    // Block SIGTERM/SIGINT in every thread; one thread waits for them.
+    // SAFETY: sigset operations on a local, initialized set; pthread_sigmask before threads start.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let listener = mpsr_agent::server::bind(&cfg.socket)?;
+    let socket = cfg.socket.clone();
+    let agent = Agent::new(cfg, node.clone(), backend.clone(), classifier, trusted)?;
+    agent.start()?;
+    tracing::info!(node = %node, backend = backend.name(), simulated = backend.simulated(), gpus = backend.gpus().len(), socket = %socket.display(), "agent ready");
+    let a = agent.clone();
+    std::thread::spawn(move || mpsr_agent::server::serve(a, listener));
+    let mut sig: libc::c_int = 0;
+    // SAFETY: set is a valid sigset and sig a valid out-parameter.
+    unsafe { libc::sigwait(&set, &mut sig) };
+    tracing::info!(signal = sig, "shutting down");
+    agent.shutdown();
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
+}

@@ -1,0 +1,248 @@
+//! mpsrctl: talk to the node agent.
+
+use clap::{Parser, Subcommand};
+use mpsr_proto::{Client, Mode, Registration, Request, Response};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(version, about = "Control and inspect the mps-resilient node agent")]
+struct Args {
+    #[arg(
+        long,
+        env = "MPSR_SOCKET",
+        default_value = "/run/mps-resilient/agent.sock"
+    )]
+    socket: PathBuf,
+    /// Print the raw JSON reply.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// GPUs, MPS server states and registered tasks.
+    Status,
+    /// Recent decisions (fault -> hit jobs -> actions -> outcome).
+    Events {
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// What hit a job and what was done.
+    Report { job_id: u32 },
+    /// Node health as the health check sees it (exit 1 when unhealthy).
+    Health,
+    /// Register a task (what the SPANK plugin does).
+    Register {
+        #[arg(long)]
+        job: u32,
+        #[arg(long, default_value_t = 0)]
+        step: u32,
+        #[arg(long)]
+        pid: u32,
+        #[arg(long, value_delimiter = ',')]
+        gpus: Vec<u32>,
+        #[arg(long, default_value = "requeue")]
+        mode: Mode,
+        #[arg(long)]
+        batch: bool,
+        #[arg(long)]
+        uid: Option<u32>,
+    },
+    Deregister {
+        #[arg(long)]
+        job: u32,
+        #[arg(long, default_value_t = 0)]
+        step: u32,
+        #[arg(long)]
+        pid: u32,
+        #[arg(long)]
+        exit_status: Option<i32>,
+    },
+    /// Mark a GPU healthy after an operator fixed it.
+    ClearGpu { gpu: u32 },
+    /// Simulated GPUs only.
+    Sim {
+        #[command(subcommand)]
+        cmd: SimCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum SimCmd {
+    /// Inject a simulated Xid on a simulated GPU.
+    Inject {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long)]
+        xid: u32,
+        #[arg(long)]
+        culprit: Option<u32>,
+    },
+    /// Bring a simulated lost GPU back (models a GPU reset).
+    Recover {
+        #[arg(long)]
+        gpu: u32,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let a = Args::parse();
+    let req = match &a.cmd {
+        Cmd::Status => Request::Status,
+        Cmd::Events { limit } => Request::Events { limit: *limit },
+        Cmd::Report { job_id } => Request::JobReport { job_id: *job_id },
+        Cmd::Health => Request::Health,
+        Cmd::Register {
+            job,
+            step,
+            pid,
+            gpus,
+            mode,
+            batch,
+            uid,
+        } => Request::Register(Registration {
+            job_id: *job,
+            step_id: *step,
+            pid: *pid,
+            uid: *uid,
+            gpus: gpus.clone(),
+            mode: *mode,
+            batch: *batch,
+            threads_pct: None,
+            mem_limit: None,
+            restart_count: 0,
+        }),
+        Cmd::Deregister {
+            job,
+            step,
+            pid,
+            exit_status,
+        } => Request::Deregister {
+            job_id: *job,
+            step_id: *step,
+            pid: *pid,
+            exit_status: *exit_status,
+        },
+        Cmd::ClearGpu { gpu } => Request::ClearGpu { gpu: *gpu },
+        Cmd::Sim {
+            cmd: SimCmd::Inject { gpu, xid, culprit },
+        } => Request::SimInject {
+            gpu: *gpu,
+            xid: *xid,
+            culprit: *culprit,
+        },
+        Cmd::Sim {
+            cmd: SimCmd::Recover { gpu },
+        } => Request::SimRecover { gpu: *gpu },
+    };
+    let resp = match Client::new(&a.socket, Duration::from_millis(a.timeout_ms)).call(&req) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("mpsrctl: {e}");
+            return 3.into();
+        }
+    };
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&resp).unwrap_or_default()
+        );
+    } else {
+        print_human(&resp);
+    }
+    match resp {
+        Response::Error { .. } => 1.into(),
+        Response::Health(h) if !h.healthy => 1.into(),
+        _ => 0.into(),
+    }
+}
+
+fn print_human(r: &Response) {
+    match r {
+        Response::Ok => println!("ok"),
+        Response::Error { code, message } => eprintln!("mpsrctl: {code:?}: {message}"),
+        Response::Status(s) => {
+            let sim = if s.simulated { " (SIMULATED GPUs)" } else { "" };
+            println!("node {} backend {}{sim}", s.node, s.backend);
+            for g in &s.gpus {
+                println!(
+                    "  gpu{} {} pci {} server {:?} clients {:?}{}",
+                    g.gpu,
+                    g.uuid,
+                    g.pci_bus_id,
+                    g.state,
+                    g.clients,
+                    g.unhealthy
+                        .as_ref()
+                        .map(|u| format!(" UNHEALTHY: {u}"))
+                        .unwrap_or_default()
+                );
+            }
+            for t in &s.tasks {
+                println!(
+                    "  job {} step {} pid {} uid {} gpus {:?} mode {}{}",
+                    t.job_id,
+                    mpsr_agent::decide::step_name(t.step_id),
+                    t.pid,
+                    t.uid,
+                    t.gpus,
+                    t.mode,
+                    if t.batch { " batch" } else { "" }
+                );
+            }
+            println!("  pending Slurm actions: {}", s.pending_actions);
+        }
+        Response::Events { events } => {
+            for e in events {
+                print_event(e);
+            }
+        }
+        Response::JobReport(j) => {
+            println!("job {}: hit by {} fault(s)", j.job_id, j.faults.len());
+            for e in &j.faults {
+                print_event(e);
+            }
+            for a in &j.actions {
+                println!("  {a}");
+            }
+        }
+        Response::Health(h) => {
+            if h.healthy {
+                println!("node {} healthy", h.node);
+            } else {
+                println!("node {} UNHEALTHY: {}", h.node, h.reasons.join("; "));
+            }
+        }
+        Response::Injected { killed, .. } => {
+            println!("injected (simulated); clients killed: {killed:?}")
+        }
+        other => println!("{}", serde_json::to_string(other).unwrap_or_default()),
+    }
+}
+
+fn print_event(e: &mpsr_proto::DecisionRecord) {
+    println!(
+        "fault {} gpu{} xid {:?} class {} sources {:?} kernel-pid {} culprit {} | hit {:?} spared {:?} | decided in {} us",
+        e.fault_id,
+        e.gpu,
+        e.xids,
+        e.class,
+        e.sources,
+        e.reported_pid.map(|p| p.to_string()).unwrap_or("-".into()),
+        e.culprit.map(|p| p.to_string()).unwrap_or("unknown".into()),
+        e.hit_jobs,
+        e.spared_jobs,
+        e.decide_us
+    );
+    for a in &e.actions {
+        println!("    action: {a}");
+    }
+    for o in &e.outcome {
+        println!("    outcome: {o}");
+    }
+}

@@ -1,0 +1,605 @@
+//! Integration: the agent as a real process with the sim backend, real client processes that really
+//! die, faults of each class injected, exact hit sets and actions asserted. Slurm's scontrol is
+//! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
+
+use mpsr_proto::{Client, Mode, Registration, Request, Response};
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Env {
+    dir: tempfile::TempDir,
+    agent: Option<Child>,
+}
+
+impl Env {
+    fn new(extra: &str) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let shim = d.join("scontrol");
+        std::fs::write(
+            &shim,
+            format!("#!/bin/sh\necho \"$@\" >> {}/scontrol.log\ncase \"$1\" in show) echo 'NodeName=n1 State=IDLE ThreadsPerCore=1';; esac\nexit 0\n", d.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        std::fs::write(
+            d.join("agent.toml"),
+            format!(
+                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\n[faults]\nkmsg = false\n{extra}",
+                d.display()
+            ),
+        )
+        .unwrap();
+        let mut e = Env { dir, agent: None };
+        e.start_agent();
+        e
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn start_agent(&mut self) {
+        let log = std::fs::File::create(
+            self.path()
+                .join(format!("agent-{}.log", Instant::now().elapsed().as_nanos())),
+        )
+        .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+            .arg("--config")
+            .arg(self.path().join("agent.toml"))
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.agent = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(
+                self.call(&Request::Hello { version: 1 }),
+                Ok(Response::Hello { .. })
+            ) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("agent did not come up");
+    }
+
+    fn kill_agent(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn sock(&self) -> PathBuf {
+        self.path().join("run/agent.sock")
+    }
+
+    fn call(&self, r: &Request) -> Result<Response, mpsr_proto::ClientError> {
+        Client::new(self.sock(), Duration::from_secs(5)).call(r)
+    }
+
+    fn client(&self, gpu: u32, secs: f64, idle: bool) -> Child {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"));
+        c.arg("--seconds").arg(secs.to_string());
+        if idle {
+            c.arg("--idle");
+        }
+        let child = c
+            .env(
+                "CUDA_MPS_PIPE_DIRECTORY",
+                self.path().join(format!("run/gpu{gpu}/pipe")),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Wait until the simulated server lists it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Response::Status(s)) = self.call(&Request::Status) {
+                if s.gpus[gpu as usize].clients.contains(&child.id()) {
+                    return child;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("client did not attach");
+    }
+
+    fn register(&self, job: u32, pid: u32, gpus: &[u32], mode: Mode, batch: bool) {
+        let r = self
+            .call(&Request::Register(reg(job, pid, gpus, mode, batch)))
+            .unwrap();
+        assert_eq!(r, Response::Ok, "register job {job}");
+    }
+
+    fn events(&self) -> Vec<mpsr_proto::DecisionRecord> {
+        match self.call(&Request::Events { limit: 100 }).unwrap() {
+            Response::Events { events } => events,
+            r => panic!("{r:?}"),
+        }
+    }
+
+    fn wait_for(&self, what: &str, f: impl Fn(&Env) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if f(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "timed out waiting for {what}; scontrol log: {:?}",
+            self.scontrol_log()
+        );
+    }
+
+    fn scontrol_log(&self) -> String {
+        std::fs::read_to_string(self.path().join("scontrol.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.kill_agent();
+    }
+}
+
+fn reg(job: u32, pid: u32, gpus: &[u32], mode: Mode, batch: bool) -> Registration {
+    Registration {
+        job_id: job,
+        step_id: if batch { mpsr_proto::BATCH_STEP } else { 0 },
+        pid,
+        uid: None,
+        gpus: gpus.to_vec(),
+        mode,
+        batch,
+        threads_pct: None,
+        mem_limit: None,
+        restart_count: 0,
+    }
+}
+
+fn exit_code(c: &mut Child, within: Duration) -> Option<i32> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(s) = c.try_wait().unwrap() {
+            return s.code();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn xid31_hits_every_job_on_the_gpu_and_spares_the_other_gpu() {
+    let e = Env::new("");
+    let mut c1 = e.client(0, 30.0, false);
+    let mut c2 = e.client(0, 30.0, false);
+    let mut c3 = e.client(0, 30.0, false);
+    let mut c4 = e.client(1, 30.0, false);
+    e.register(1, c1.id(), &[0], Mode::Requeue, true);
+    e.register(2, c2.id(), &[0], Mode::Requeue, true);
+    e.register(3, c3.id(), &[0], Mode::Resume, false);
+    e.register(4, c4.id(), &[1], Mode::Requeue, true);
+    let r = e
+        .call(&Request::SimInject {
+            gpu: 0,
+            xid: 31,
+            culprit: Some(c2.id()),
+        })
+        .unwrap();
+    let Response::Injected { mut killed, .. } = r else {
+        panic!("{r:?}")
+    };
+    killed.sort();
+    let mut want = vec![c1.id(), c2.id(), c3.id()];
+    want.sort();
+    assert_eq!(killed, want, "stock MPS: every busy client on gpu0 dies");
+    for c in [&mut c1, &mut c2, &mut c3] {
+        assert_eq!(
+            exit_code(c, Duration::from_secs(5)),
+            Some(1),
+            "victim really died"
+        );
+    }
+    assert_eq!(
+        exit_code(&mut c4, Duration::from_millis(300)),
+        None,
+        "gpu1 client untouched"
+    );
+    e.wait_for("requeues", |e| {
+        let l = e.scontrol_log();
+        l.contains("requeue 1") && l.contains("requeue 2")
+    });
+    let ev = e.events();
+    assert_eq!(ev.len(), 1, "nvml + kmsg signals are one fault: {ev:?}");
+    let f = &ev[0];
+    assert_eq!(
+        (f.gpu, f.xids.clone(), f.class.as_str()),
+        (0, vec![31], "app_memory")
+    );
+    assert_eq!(f.hit_jobs, vec![1, 2, 3]);
+    assert_eq!(f.spared_jobs, vec![4]);
+    assert!(
+        f.sources.contains(&"nvml".to_string()) && f.sources.contains(&"kmsg".to_string()),
+        "{f:?}"
+    );
+    // The kernel line named the first client, not the culprit; it was not blamed.
+    assert_eq!(f.reported_pid, Some(c1.id()));
+    assert_eq!(f.culprit, None);
+    assert!(
+        f.actions
+            .contains(&format!("resume job 3 step 0 task pid {}", c3.id())),
+        "{:?}",
+        f.actions
+    );
+    assert!(!e.scontrol_log().contains("requeue 4"));
+    assert!(!e.scontrol_log().contains("DRAIN"));
+    // The server recovers once the faulting clients are gone; a new client is accepted.
+    e.wait_for("recovery", |e| {
+        e.events()[0]
+            .outcome
+            .iter()
+            .any(|o| o.contains("ACTIVE again"))
+    });
+    let mut c5 = e.client(0, 0.2, false);
+    assert_eq!(exit_code(&mut c5, Duration::from_secs(5)), Some(0));
+    let _ = c4.kill();
+}
+
+#[test]
+fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() {
+    let e = Env::new("[sim]\nrecovery_ms = 200\n");
+    let c1 = e.client(0, 30.0, false);
+    e.register(1, c1.id(), &[0], Mode::Requeue, true);
+    // Stop the victim so it cannot exit: the server stays in FAULT until the agent ends it.
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(c1.id() as i32, libc::SIGSTOP) };
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+    })
+    .unwrap();
+    let mut refused = e.client_raw(0);
+    assert_eq!(
+        exit_code(&mut refused, Duration::from_secs(5)),
+        Some(1),
+        "807 while in FAULT"
+    );
+    e.wait_for("terminate_client of the lingering client", |e| {
+        e.events()
+            .first()
+            .is_some_and(|f| f.outcome.iter().any(|o| o.contains("terminate_client")))
+    });
+    // SAFETY: as above.
+    unsafe { libc::kill(c1.id() as i32, libc::SIGKILL) };
+}
+
+impl Env {
+    fn client_raw(&self, gpu: u32) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"))
+            .args(["--seconds", "0.1"])
+            .env(
+                "CUDA_MPS_PIPE_DIRECTORY",
+                self.path().join(format!("run/gpu{gpu}/pipe")),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+}
+
+#[test]
+fn isolation_source_narrows_hit_set_to_the_culprit() {
+    let e = Env::new("[sim]\nisolation = true\n");
+    let mut a = e.client(0, 30.0, false);
+    let mut b = e.client(0, 30.0, false);
+    e.register(1, a.id(), &[0], Mode::Requeue, true);
+    e.register(2, b.id(), &[0], Mode::Requeue, true);
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 31,
+        culprit: Some(b.id()),
+    })
+    .unwrap();
+    assert_eq!(exit_code(&mut b, Duration::from_secs(5)), Some(1));
+    assert_eq!(
+        exit_code(&mut a, Duration::from_millis(500)),
+        None,
+        "victim survives with isolation"
+    );
+    e.wait_for("decision with culprit", |e| {
+        e.events()
+            .first()
+            .is_some_and(|f| f.culprit == Some(b.id()))
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.hit_jobs, vec![2]);
+    assert_eq!(f.spared_jobs, vec![1]);
+    assert!(f
+        .actions
+        .iter()
+        .any(|x| x.starts_with("terminate_client gpu0")));
+    assert!(
+        !e.scontrol_log().contains("requeue"),
+        "culprit is not requeued"
+    );
+    let _ = a.kill();
+}
+
+#[test]
+fn hardware_classes_drain_and_application_classes_do_not() {
+    let e = Env::new("");
+    let mut c = e.client(1, 30.0, false);
+    e.register(7, c.id(), &[1], Mode::Requeue, true);
+    e.call(&Request::SimInject {
+        gpu: 1,
+        xid: 79,
+        culprit: None,
+    })
+    .unwrap();
+    assert_eq!(exit_code(&mut c, Duration::from_secs(5)), Some(1));
+    e.wait_for("drain + requeue", |e| {
+        let l = e.scontrol_log();
+        l.contains("requeue 7")
+            && l.contains("State=DRAIN Reason=mpsr: xid 79 (device_lost) on gpu1 of n1")
+    });
+    match e.call(&Request::Health).unwrap() {
+        Response::Health(h) => assert!(!h.healthy && h.reasons[0].starts_with("mpsr:")),
+        r => panic!("{r:?}"),
+    }
+    e.call(&Request::SimRecover { gpu: 1 }).unwrap();
+    e.wait_for(
+        "healthy after reset",
+        |e| matches!(e.call(&Request::Health), Ok(Response::Health(h)) if h.healthy),
+    );
+    // Info and unknown Xids: nobody hit, no action.
+    let c2 = e.client(0, 30.0, false);
+    e.register(8, c2.id(), &[0], Mode::Requeue, true);
+    for x in [63, 4242] {
+        e.call(&Request::SimInject {
+            gpu: 0,
+            xid: x,
+            culprit: None,
+        })
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(600)); // outside the correlation window
+    }
+    let ev = e.events();
+    let last2: Vec<_> = ev.iter().rev().take(2).collect();
+    assert!(
+        last2
+            .iter()
+            .all(|f| f.hit_jobs.is_empty() && f.actions.is_empty()),
+        "{last2:?}"
+    );
+    assert!(!e.scontrol_log().contains("requeue 8"));
+}
+
+#[test]
+fn registry_survives_agent_restart_and_actions_are_not_duplicated() {
+    let mut e = Env::new("");
+    let c = e.client(0, 60.0, true);
+    e.register(11, c.id(), &[0], Mode::Requeue, true);
+    e.kill_agent();
+    e.start_agent();
+    let Response::Status(s) = e.call(&Request::Status).unwrap() else {
+        panic!()
+    };
+    assert_eq!(s.tasks.len(), 1, "registration kept across a crash");
+    assert_eq!(s.tasks[0].job_id, 11);
+    // A fault now: the idle client survives (no work in flight) but the job is still hit by policy.
+    let c2 = e.client(0, 60.0, false);
+    e.register(11, c2.id(), &[0], Mode::Requeue, true);
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+    })
+    .unwrap();
+    e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 11"));
+    e.kill_agent();
+    e.start_agent();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        e.scontrol_log().matches("requeue 11").count(),
+        1,
+        "not repeated after restart"
+    );
+}
+
+#[test]
+fn bad_input_is_refused_and_the_agent_keeps_serving() {
+    use std::os::unix::net::UnixStream;
+    let e = Env::new("");
+    // Malformed JSON.
+    let mut s = UnixStream::connect(e.sock()).unwrap();
+    s.write_all(&5u32.to_be_bytes()).unwrap();
+    s.write_all(b"{oops").unwrap();
+    let r: Response = mpsr_proto::read_frame(&mut s).unwrap();
+    assert!(
+        matches!(
+            r,
+            Response::Error {
+                code: mpsr_proto::ErrorCode::BadRequest,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+    // Oversized frame.
+    let mut s = UnixStream::connect(e.sock()).unwrap();
+    s.write_all(&(10u32 << 20).to_be_bytes()).unwrap();
+    let r: Response = mpsr_proto::read_frame(&mut s).unwrap();
+    assert!(matches!(r, Response::Error { .. }));
+    // Truncated frame then close; unknown op; unknown GPU; dead pid.
+    let mut s = UnixStream::connect(e.sock()).unwrap();
+    s.write_all(&100u32.to_be_bytes()).unwrap();
+    drop(s);
+    let r = {
+        let mut s = UnixStream::connect(e.sock()).unwrap();
+        let body = br#"{"op":"reboot_node"}"#;
+        s.write_all(&(body.len() as u32).to_be_bytes()).unwrap();
+        s.write_all(body).unwrap();
+        mpsr_proto::read_frame::<Response>(&mut s).unwrap()
+    };
+    assert!(matches!(r, Response::Error { .. }));
+    let me = std::process::id();
+    assert!(matches!(
+        e.call(&Request::Register(reg(1, me, &[9], Mode::Requeue, true)))
+            .unwrap(),
+        Response::Error {
+            code: mpsr_proto::ErrorCode::NotFound,
+            ..
+        }
+    ));
+    assert!(matches!(
+        e.call(&Request::Register(reg(
+            1,
+            4_000_000,
+            &[0],
+            Mode::Requeue,
+            true
+        )))
+        .unwrap(),
+        Response::Error { .. }
+    ));
+    assert!(matches!(
+        e.call(&Request::Hello { version: 1 }).unwrap(),
+        Response::Hello {
+            simulated: true,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn a_user_cannot_lie_about_uid_or_touch_another_users_job() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root to run a second uid");
+        return;
+    }
+    let e = Env::new("");
+    // Root registers job 21 for uid 1000.
+    let me = std::process::id();
+    let mut r = reg(21, me, &[0], Mode::Requeue, true);
+    r.uid = Some(1000);
+    assert_eq!(e.call(&Request::Register(r)).unwrap(), Response::Ok);
+    let ctl = env!("CARGO_BIN_EXE_mpsrctl");
+    let sock = e.sock();
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new(ctl)
+            .arg("--socket")
+            .arg(&sock)
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // nobody claims uid 0 for its own process: refused.
+    let sleeper = Command::new("sleep")
+        .arg("30")
+        .uid(65534)
+        .gid(65534)
+        .spawn()
+        .unwrap();
+    let pid = sleeper.id().to_string();
+    let (code, err) = as_nobody(&[
+        "register", "--job", "22", "--pid", &pid, "--gpus", "0", "--uid", "0",
+    ]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("PermissionDenied"), "{err}");
+    // nobody registers into uid 1000's job: refused.
+    let (code, err) = as_nobody(&["register", "--job", "21", "--pid", &pid, "--gpus", "0"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("another user"), "{err}");
+    // nobody registers root's process: refused.
+    let (code, err) = as_nobody(&[
+        "register",
+        "--job",
+        "23",
+        "--pid",
+        &me.to_string(),
+        "--gpus",
+        "0",
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    // nobody reads or deregisters the other job, or injects faults: refused.
+    assert_eq!(as_nobody(&["report", "21"]).0, Some(1));
+    assert_eq!(
+        as_nobody(&[
+            "deregister",
+            "--job",
+            "21",
+            "--step",
+            &mpsr_proto::BATCH_STEP.to_string(),
+            "--pid",
+            &me.to_string()
+        ])
+        .0,
+        Some(1)
+    );
+    assert_eq!(
+        as_nobody(&["sim", "inject", "--gpu", "0", "--xid", "31"]).0,
+        Some(1)
+    );
+    // Its own registration works, and status shows only its own task.
+    assert_eq!(
+        as_nobody(&["register", "--job", "24", "--pid", &pid, "--gpus", "0"]).0,
+        Some(0)
+    );
+    let out = Command::new(ctl)
+        .arg("--socket")
+        .arg(&sock)
+        .args(["--json", "status"])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("\"job_id\": 24") && !s.contains("\"job_id\": 21"),
+        "{s}"
+    );
+    let mut sleeper = sleeper;
+    let _ = sleeper.kill();
+}
+
+#[test]
+fn bad_config_is_rejected_with_the_key_named() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("a.toml");
+    std::fs::write(&p, "backend = \"sim\"\n[mps]\ndefault_thread_pct = 300\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+        .arg("--config")
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("default_thread_pct"));
+    let out = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+        .arg("--config")
+        .arg(d.path().join("missing.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
