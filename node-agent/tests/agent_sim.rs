@@ -84,7 +84,8 @@ impl Env {
         Client::new(self.sock(), Duration::from_secs(5)).call(r)
     }
 
-    fn client(&self, gpu: u32, secs: f64, idle: bool) -> Child {
+    #[allow(clippy::zombie_processes)] // reaped by Proc's Drop
+    fn client(&self, gpu: u32, secs: f64, idle: bool) -> Proc {
         let mut c = Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"));
         c.arg("--seconds").arg(secs.to_string());
         if idle {
@@ -104,7 +105,7 @@ impl Env {
         while Instant::now() < deadline {
             if let Ok(Response::Status(s)) = self.call(&Request::Status) {
                 if s.gpus[gpu as usize].clients.contains(&child.id()) {
-                    return child;
+                    return Proc(child);
                 }
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -148,6 +149,29 @@ impl Env {
 impl Drop for Env {
     fn drop(&mut self) {
         self.kill_agent();
+    }
+}
+
+/// A child process that is killed and reaped when the test lets go of it (also on panic).
+struct Proc(Child);
+
+impl std::ops::Deref for Proc {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Proc {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -289,17 +313,19 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
 }
 
 impl Env {
-    fn client_raw(&self, gpu: u32) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"))
-            .args(["--seconds", "0.1"])
-            .env(
-                "CUDA_MPS_PIPE_DIRECTORY",
-                self.path().join(format!("run/gpu{gpu}/pipe")),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
+    fn client_raw(&self, gpu: u32) -> Proc {
+        Proc(
+            Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"))
+                .args(["--seconds", "0.1"])
+                .env(
+                    "CUDA_MPS_PIPE_DIRECTORY",
+                    self.path().join(format!("run/gpu{gpu}/pipe")),
+                )
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
     }
 }
 
@@ -580,8 +606,7 @@ fn a_user_cannot_lie_about_uid_or_touch_another_users_job() {
         s.contains("\"job_id\": 24") && !s.contains("\"job_id\": 21"),
         "{s}"
     );
-    let mut sleeper = sleeper;
-    let _ = sleeper.kill();
+    drop(sleeper);
 }
 
 #[test]
