@@ -88,6 +88,13 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 .take(limit.clamp(1, 10_000) as usize)
                 .collect();
             events.reverse();
+            // Keep the reply within one frame: drop the oldest until it fits.
+            while events.len() > 1
+                && serde_json::to_vec(&events).map_or(0, |b| b.len()) > mpsr_proto::MAX_FRAME - 1024
+            {
+                let drop_n = (events.len() / 10).max(1);
+                events.drain(..drop_n);
+            }
             Response::Events { events }
         }
         Request::JobReport { job_id } => {
