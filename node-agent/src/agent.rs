@@ -356,41 +356,25 @@ impl Agent {
                     job_id,
                     step_id,
                     pid,
-                } => {
-                    st.d.resume.insert(
-                        format!("{job_id}.{step_id}.{pid}"),
-                        ResumeEntry {
-                            fault_id: ev.id,
-                            gpu: ev.gpu,
-                            fail: None,
-                        },
-                    );
-                    push_outcome(
-                        &mut st.d.outcomes,
-                        *job_id,
-                        format!("fault {}: resume in place handed over", ev.id),
-                    );
-                }
+                } => hand_to_resume_board(
+                    &mut st.d,
+                    ev,
+                    (*job_id, *step_id, *pid),
+                    None,
+                    "resume in place handed over".into(),
+                ),
                 Action::FailTask {
                     job_id,
                     step_id,
                     pid,
                     why,
-                } => {
-                    st.d.resume.insert(
-                        format!("{job_id}.{step_id}.{pid}"),
-                        ResumeEntry {
-                            fault_id: ev.id,
-                            gpu: ev.gpu,
-                            fail: Some(why.clone()),
-                        },
-                    );
-                    push_outcome(
-                        &mut st.d.outcomes,
-                        *job_id,
-                        format!("fault {}: not resumed: {why}", ev.id),
-                    );
-                }
+                } => hand_to_resume_board(
+                    &mut st.d,
+                    ev,
+                    (*job_id, *step_id, *pid),
+                    Some(why.clone()),
+                    format!("not resumed: {why}"),
+                ),
                 Action::None { job_id, why } => {
                     push_outcome(
                         &mut st.d.outcomes,
@@ -681,6 +665,25 @@ impl Agent {
         self.persist_now();
         self.backend.shutdown();
     }
+}
+
+/// Records a hit task's resume verdict (restart, or fail with a reason) and the job's outcome line.
+fn hand_to_resume_board(
+    d: &mut Durable,
+    ev: &crate::event::FaultEvent,
+    (job_id, step_id, pid): crate::registry::TaskKey,
+    fail: Option<String>,
+    line: String,
+) {
+    d.resume.insert(
+        format!("{job_id}.{step_id}.{pid}"),
+        ResumeEntry {
+            fault_id: ev.id,
+            gpu: ev.gpu,
+            fail,
+        },
+    );
+    push_outcome(&mut d.outcomes, job_id, format!("fault {}: {line}", ev.id));
 }
 
 pub fn push_outcome(outcomes: &mut BTreeMap<u32, Vec<String>>, job: u32, line: String) {
