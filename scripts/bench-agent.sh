@@ -22,6 +22,8 @@ target = "stderr"
 level = "warn"
 [slurm]
 scontrol = "/bin/true"
+[mps]
+quit_on_shutdown = true
 [faults]
 kmsg = false
 correlation_window_ms = 1

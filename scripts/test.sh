@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Runs every test: unit tests, and integration tests that start the agent as a real process with
-# simulated GPUs and real client processes. Needs only a Rust toolchain (cargo).
+# Runs every test: unit tests, the agent's integration tests (agent process + simulated GPUs + real
+# client processes), and the end-to-end tests on a real Slurm on localhost (munge, slurmctld, two
+# slurmd, the SPANK plugin, prolog/epilog/health check, agents with simulated GPUs).
+# Installs Slurm/munge/clang when missing. The Slurm tests start daemons and run jobs as other
+# users, so the tests run as root (via sudo when started as another user).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v cargo >/dev/null; then
-  echo "test: cargo is needed (https://rustup.rs)"; exit 1
+export PATH="$HOME/.cargo/bin:$PATH"
+bash scripts/install-deps.sh
+cargo build --workspace --locked
+if [ "$(id -u)" -ne 0 ]; then
+  echo "test: the real-Slurm tests need root; running cargo test under sudo"
+  exec sudo -E env "PATH=$PATH" cargo test --workspace --locked
 fi
 cargo test --workspace --locked

@@ -42,6 +42,9 @@ pub struct Durable {
     pub resume: BTreeMap<String, ResumeEntry>,
     /// gpu -> why it is unhealthy (hardware fault class).
     pub unhealthy: BTreeMap<u32, (FaultClass, String)>,
+    /// Reports of jobs that ended here, with their owner uid, for `mpsrctl report` afterwards.
+    #[serde(default)]
+    pub finished: BTreeMap<u32, (u32, mpsr_proto::JobReport)>,
 }
 
 /// A GPU whose server is expected to be in FAULT after a decision.
@@ -56,6 +59,21 @@ pub struct State {
     pub history: VecDeque<DecisionRecord>,
     correlator: Correlator,
     recovering: BTreeMap<u32, Recovering>,
+    /// Tasks that just exited abnormally. A fault kills its clients at about the moment its Xid is
+    /// reported, so a victim may deregister before the fault's first signal arrives: it still
+    /// counts as hit for a short while.
+    recent_exits: VecDeque<(Instant, crate::registry::Task)>,
+}
+
+impl State {
+    /// Notes an abnormal task exit (see `recent_exits`).
+    pub fn note_exit(&mut self, t: crate::registry::Task, keep: Duration) {
+        self.recent_exits.retain(|(at, _)| at.elapsed() < keep);
+        self.recent_exits.push_back((Instant::now(), t));
+        while self.recent_exits.len() > 10_000 {
+            self.recent_exits.pop_front();
+        }
+    }
 }
 
 /// Group commit: mutations bump `dirty`; one writer thread persists and bumps `durable`.
@@ -150,6 +168,7 @@ impl Agent {
                 history,
                 correlator: Correlator::new(window),
                 recovering: BTreeMap::new(),
+                recent_exits: VecDeque::new(),
             }),
             persister: Persister {
                 gens: Mutex::new((1, 0)),
@@ -317,7 +336,15 @@ impl Agent {
         let Some(ev) = st.correlator.get(id).cloned() else {
             return;
         };
-        let reg = &st.d.registry;
+        // The registry as it was a moment ago: live tasks plus victims that exited just now.
+        let keep = self.exit_memory();
+        let mut view = st.d.registry.clone();
+        for (at, t) in &st.recent_exits {
+            if at.elapsed() < keep && t.gpus.contains(&ev.gpu) {
+                view.insert_exited(t.clone());
+            }
+        }
+        let reg = &view;
         let decision = decide(&ev, reg, &self.classifier, &self.node, |pid| {
             procfs::ancestry(pid)
                 .into_iter()
@@ -337,7 +364,22 @@ impl Agent {
                 Action::Requeue { job_id } => {
                     // One requeue per job and fault, however often the fault is re-decided.
                     let key = format!("f{}:requeue:{job_id}", ev.id);
-                    self.enqueue(st, key, ev.id, SlurmOp::Requeue { job_id: *job_id });
+                    let restarts_before =
+                        st.d.registry
+                            .tasks()
+                            .chain(st.recent_exits.iter().map(|(_, t)| t))
+                            .filter(|t| t.job_id == *job_id)
+                            .map(|t| t.restart_count)
+                            .max();
+                    self.enqueue(
+                        st,
+                        key,
+                        ev.id,
+                        SlurmOp::Requeue {
+                            job_id: *job_id,
+                            restarts_before,
+                        },
+                    );
                 }
                 Action::DrainNode { reason } => {
                     let key = format!("f{}:drain", ev.id);
@@ -456,6 +498,7 @@ impl Agent {
             op,
             attempts: 0,
             last_error: None,
+            fresh: true,
         });
     }
 
@@ -489,10 +532,12 @@ impl Agent {
                         .0;
                 }
             };
-            let outcome = self.slurm.execute(&next.op);
+            let outcome = self
+                .slurm
+                .execute(&next.op, !next.fresh || next.attempts > 0);
             let mut st = self.state();
             let job = match &next.op {
-                SlurmOp::Requeue { job_id } => Some(*job_id),
+                SlurmOp::Requeue { job_id, .. } => Some(*job_id),
                 SlurmOp::Drain { .. } => None,
             };
             let attempts = next.attempts + 1;
@@ -614,6 +659,11 @@ impl Agent {
         }
     }
 
+    /// How long an abnormally exited task still counts as a possible victim of a fault.
+    pub fn exit_memory(&self) -> Duration {
+        Duration::from_millis((2 * self.cfg.faults.correlation_window_ms).max(1000))
+    }
+
     /// Called when a task ends. An abnormal exit on a GPU with an open fault corroborates it.
     pub fn client_exit_signal(&self, gpus: &[u32], exit_status: Option<i32>) {
         let abnormal = exit_status.is_some_and(|s| s != 0);
@@ -684,6 +734,17 @@ fn hand_to_resume_board(
         },
     );
     push_outcome(&mut d.outcomes, job_id, format!("fault {}: {line}", ev.id));
+}
+
+/// Keeps a finished job's report (bounded like the outcome lines).
+pub fn archive_report(d: &mut Durable, owner: u32, report: mpsr_proto::JobReport) {
+    d.finished.insert(report.job_id, (owner, report));
+    while d.finished.len() > OUTCOME_JOBS_KEPT {
+        let Some(first) = d.finished.keys().next().copied() else {
+            break;
+        };
+        d.finished.remove(&first);
+    }
 }
 
 pub fn push_outcome(outcomes: &mut BTreeMap<u32, Vec<String>>, job: u32, line: String) {

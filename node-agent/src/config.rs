@@ -86,6 +86,9 @@ pub struct MpsConfig {
     /// After a fault, clients still attached after this long are ended with `terminate_client` so the
     /// server can return to ACTIVE.
     pub fault_grace_ms: u64,
+    /// Stop the MPS daemons when the agent stops. Off: an agent restart must not end running jobs'
+    /// GPU work (the daemons keep serving; the restarted agent takes them over).
+    pub quit_on_shutdown: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -164,6 +167,7 @@ impl Default for MpsConfig {
             command_timeout_ms: 3_000,
             health_interval_ms: 1_000,
             fault_grace_ms: 2_000,
+            quit_on_shutdown: false,
         }
     }
 }
@@ -192,28 +196,7 @@ impl Default for SimConfig {
     }
 }
 
-/// Parses a size like `900M`, `16G`, `1024` (bytes). Used by the agent and mirrored by the plugin.
-pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        None => (s, 1u64),
-        Some((i, _)) => {
-            let m = match s[i..].to_ascii_uppercase().trim_end_matches('B') {
-                "" => 1,
-                "K" => 1 << 10,
-                "M" => 1 << 20,
-                "G" => 1 << 30,
-                "T" => 1 << 40,
-                _ => return None,
-            };
-            (&s[..i], m)
-        }
-    };
-    num.parse::<u64>()
-        .ok()?
-        .checked_mul(mult)
-        .filter(|v| *v > 0)
-}
+pub use mpsr_proto::parse_size;
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {

@@ -198,6 +198,7 @@ mod tests {
             mem_limit: None,
             restart_count: 0,
             start_ticks: None,
+            trusted: true,
         }
     }
 

@@ -40,10 +40,50 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 return denied(format!("job {job_id} belongs to another user"));
             }
             st.d.registry.remove((job_id, step_id, pid));
+            if exit_status.is_some_and(|s| s != 0) {
+                let keep = agent.exit_memory();
+                st.note_exit(t.clone(), keep);
+            }
             drop(st);
+            tracing::info!(job = job_id, step = %crate::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
             agent.client_exit_signal(&t.gpus, exit_status);
             let g = agent.mark_dirty();
             agent.wait_durable(g);
+            Response::Ok
+        }
+        Request::JobStart {
+            job_id,
+            uid,
+            restart_count,
+        } => {
+            if !trusted {
+                return denied("job start is reported by the prolog (root) only");
+            }
+            let mut st = agent.state();
+            // Leftovers of an earlier run of this job id (a requeue) whose processes are gone.
+            let stale: Vec<_> =
+                st.d.registry
+                    .tasks()
+                    .filter(|t| t.job_id == job_id && !procfs::alive(t.pid, t.start_ticks))
+                    .map(|t| (t.job_id, t.step_id, t.pid))
+                    .collect();
+            for k in &stale {
+                st.d.registry.remove(*k);
+            }
+            let prefix = format!("{job_id}.");
+            st.d.resume.retain(|k, _| !k.starts_with(&prefix));
+            if restart_count > 0 {
+                crate::agent::push_outcome(
+                    &mut st.d.outcomes,
+                    job_id,
+                    format!(
+                        "started again on {} (restart {restart_count}, uid {uid})",
+                        agent.node
+                    ),
+                );
+            }
+            drop(st);
+            agent.mark_dirty();
             Response::Ok
         }
         Request::JobEnd { job_id } => {
@@ -51,10 +91,14 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 return denied("job end is reported by the epilog (root) only");
             }
             let mut st = agent.state();
+            let owner = st.d.registry.job_owner(job_id);
             st.d.registry.remove_job(job_id);
             let prefix = format!("{job_id}.");
             st.d.resume.retain(|k, _| !k.starts_with(&prefix));
             let rep = job_report(&st.history, &st.d.outcomes, job_id);
+            if let Some(uid) = owner.or_else(|| st.d.finished.get(&job_id).map(|f| f.0)) {
+                crate::agent::archive_report(&mut st.d, uid, rep.clone());
+            }
             drop(st);
             agent.mark_dirty();
             Response::JobReport(rep)
@@ -99,10 +143,13 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
         }
         Request::JobReport { job_id } => {
             let st = agent.state();
-            let owner = st.d.registry.job_owner(job_id);
+            let owner =
+                st.d.registry
+                    .job_owner(job_id)
+                    .or_else(|| st.d.finished.get(&job_id).map(|f| f.0));
             if !trusted && owner != Some(peer.uid) {
                 return denied(format!(
-                    "job {job_id} is not a registered job of uid {}",
+                    "job {job_id} is not a known job of uid {}",
                     peer.uid
                 ));
             }
@@ -113,17 +160,38 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             step_id,
             pid,
         } => {
-            let key = format!("{job_id}.{step_id}.{pid}");
-            {
+            // The asker is the registered task or runs under it (mpsr-run started by a wrapper).
+            let task = {
                 let st = agent.state();
-                let owner = st.d.registry.get((job_id, step_id, pid)).map(|t| t.uid);
-                if !trusted && owner != Some(peer.uid) {
-                    return denied(format!(
-                        "task {key} is not a registered task of uid {}",
-                        peer.uid
-                    ));
+                st.d.registry
+                    .get((job_id, step_id, pid))
+                    .or_else(|| {
+                        // Only a trusted caller may speak for another process.
+                        let from = if trusted { pid } else { peer.pid };
+                        st.d.registry
+                            .task_in_ancestry(job_id, &procfs::ancestry(from))
+                    })
+                    .cloned()
+            };
+            let Some(t) = task else {
+                if trusted {
+                    return Response::Resume {
+                        verdict: mpsr_proto::ResumeVerdict::NotHit,
+                        reason: format!("task {job_id}.{step_id} pid {pid} is not registered"),
+                    };
                 }
+                return denied(format!(
+                    "task {job_id}.{step_id} pid {pid} is not a registered task of uid {}",
+                    peer.uid
+                ));
+            };
+            if !trusted && t.uid != peer.uid {
+                return denied(format!(
+                    "task {job_id}.{step_id} pid {pid} is not a registered task of uid {}",
+                    peer.uid
+                ));
             }
+            let key = format!("{}.{}.{}", t.job_id, t.step_id, t.pid);
             let (verdict, reason) = agent.resume_verdict(&key);
             Response::Resume { verdict, reason }
         }
@@ -228,11 +296,32 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
             r.pid, peer.uid
         ));
     }
-    let task = Task::from_registration(&r, uid, Some(start));
+    tracing::info!(
+        job = r.job_id,
+        step = %crate::decide::step_name(r.step_id),
+        pid = r.pid,
+        uid,
+        gpus = ?r.gpus,
+        mode = %r.mode,
+        batch = r.batch,
+        "task registered"
+    );
+    let task = Task::from_registration(&r, uid, Some(start), trusted);
     let gen = {
         let mut st = agent.state();
-        if let Err(e) = st.d.registry.register(task) {
-            return denied(e.to_string());
+        match st.d.registry.register(task) {
+            Ok(evicted) => {
+                for t in evicted {
+                    tracing::warn!(
+                        job = t.job_id,
+                        squatter_uid = t.uid,
+                        pid = t.pid,
+                        owner_uid = uid,
+                        "a user had registered into a job id Slurm gives to another user; evicted"
+                    );
+                }
+            }
+            Err(e) => return denied(e.to_string()),
         }
         agent.mark_dirty()
     };

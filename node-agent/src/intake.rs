@@ -1,7 +1,6 @@
 //! Fault intake threads for real nodes: `/dev/kmsg` (NVRM Xid lines, resuming after the last sequence
 //! number seen in this boot) and MPS control.log tailing. Each turns lines into [`Signal`]s.
 
-use crate::backend::sim::signal_from_kernel;
 use crate::event::{GpuRef, Signal, Source};
 use crate::kmsg;
 use crate::mps::{parse_control_log, ControlLogEvent};
@@ -137,6 +136,29 @@ fn tail_loop(gpu: u32, path: &Path, tx: Sender<Signal>) {
                 }
             }
             line.clear();
+        }
+    }
+}
+
+/// A parsed kernel line as a fault signal.
+pub fn signal_from_kernel(line: &kmsg::KernelLine, source: Source) -> Option<Signal> {
+    match line {
+        kmsg::KernelLine::Xid(x) => {
+            let mut s = Signal::new(source, GpuRef::Pci(x.pci), Some(x.xid));
+            s.reported_pid = x.pid;
+            s.secondary = x.secondary;
+            s.detail = x.detail.clone();
+            Some(s)
+        }
+        kmsg::KernelLine::Isolation {
+            pci,
+            xid,
+            culprit_pid,
+            contained,
+        } => {
+            let mut s = Signal::new(Source::Isolation, GpuRef::Pci(*pci), Some(*xid));
+            s.culprit = Some((*culprit_pid, *contained));
+            Some(s)
         }
     }
 }

@@ -15,5 +15,6 @@ pub mod mps;
 pub mod persist;
 pub mod registry;
 pub mod server;
+pub mod simgpu;
 pub mod slurm;
 pub mod xid;

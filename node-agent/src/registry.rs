@@ -18,10 +18,18 @@ pub struct Task {
     pub restart_count: u32,
     /// Process start time (clock ticks since boot, /proc/PID/stat field 22) to detect pid reuse.
     pub start_ticks: Option<u64>,
+    /// Registered by slurmstepd/root (the plugin), not by the user: it says who owns the job.
+    #[serde(default)]
+    pub trusted: bool,
 }
 
 impl Task {
-    pub fn from_registration(r: &Registration, uid: u32, start_ticks: Option<u64>) -> Task {
+    pub fn from_registration(
+        r: &Registration,
+        uid: u32,
+        start_ticks: Option<u64>,
+        trusted: bool,
+    ) -> Task {
         let mut gpus = r.gpus.clone();
         gpus.sort_unstable();
         gpus.dedup();
@@ -37,6 +45,7 @@ impl Task {
             mem_limit: r.mem_limit,
             restart_count: r.restart_count,
             start_ticks,
+            trusted,
         }
     }
 
@@ -86,15 +95,26 @@ fn key_str(k: TaskKey) -> String {
 }
 
 impl Registry {
-    pub fn register(&mut self, t: Task) -> Result<(), RegisterError> {
+    /// Registers a task. A job belongs to the uid that registered it first, except that a trusted
+    /// registration (from Slurm itself) evicts a user's earlier claim on a job id that is not
+    /// theirs; the evicted tasks are returned so the caller can log them.
+    pub fn register(&mut self, t: Task) -> Result<Vec<Task>, RegisterError> {
+        let mut evicted = Vec::new();
         if let Some(other) = self.tasks.values().find(|o| o.job_id == t.job_id) {
             if other.uid != t.uid {
-                return Err(RegisterError::OtherOwner {
-                    job_id: t.job_id,
-                    owner: other.uid,
-                });
-            }
-            if other.mode != t.mode {
+                let squatted = t.trusted
+                    && !self
+                        .tasks
+                        .values()
+                        .any(|o| o.job_id == t.job_id && o.trusted);
+                if !squatted {
+                    return Err(RegisterError::OtherOwner {
+                        job_id: t.job_id,
+                        owner: other.uid,
+                    });
+                }
+                evicted = self.remove_job(t.job_id);
+            } else if other.mode != t.mode {
                 return Err(RegisterError::ModeConflict {
                     job_id: t.job_id,
                     existing: other.mode,
@@ -102,7 +122,22 @@ impl Registry {
             }
         }
         self.tasks.insert(key_str((t.job_id, t.step_id, t.pid)), t);
-        Ok(())
+        Ok(evicted)
+    }
+
+    /// Adds a task that already exited back into a decision's view (no ownership checks: it was
+    /// registered before).
+    pub fn insert_exited(&mut self, t: Task) {
+        self.tasks
+            .entry(key_str((t.job_id, t.step_id, t.pid)))
+            .or_insert(t);
+    }
+
+    /// The registered task of `job` that is `pid` or one of the given ancestors of it.
+    pub fn task_in_ancestry(&self, job: u32, ancestry: &[u32]) -> Option<&Task> {
+        ancestry
+            .iter()
+            .find_map(|p| self.tasks.values().find(|t| t.job_id == job && t.pid == *p))
     }
 
     pub fn get(&self, k: TaskKey) -> Option<&Task> {
@@ -241,7 +276,28 @@ mod tests {
             mem_limit: None,
             restart_count: 0,
             start_ticks: None,
+            trusted: false,
         }
+    }
+
+    #[test]
+    fn trusted_registration_evicts_a_squatter_but_not_the_reverse() {
+        let mut r = Registry::default();
+        // User 1001 claims job 9 before Slurm registers it for its real owner 1000.
+        r.register(task(9, 90, 1001, &[0])).unwrap();
+        let mut real = task(9, 91, 1000, &[0]);
+        real.trusted = true;
+        let evicted = r.register(real).unwrap();
+        assert_eq!(evicted.len(), 1);
+        assert_eq!(evicted[0].uid, 1001);
+        assert_eq!(r.job_owner(9), Some(1000));
+        // Now the squatter cannot get back in, trusted or not, as long as Slurm's tasks are there.
+        assert!(r.register(task(9, 92, 1001, &[0])).is_err());
+        let mut t = task(9, 93, 1001, &[0]);
+        t.trusted = true;
+        assert!(r.register(t).is_err());
+        assert_eq!(r.task_in_ancestry(9, &[5, 91, 1]).map(|t| t.pid), Some(91));
+        assert!(r.task_in_ancestry(8, &[91]).is_none());
     }
 
     #[test]

@@ -10,8 +10,17 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum SlurmOp {
-    Requeue { job_id: u32 },
-    Drain { node: String, reason: String },
+    Requeue {
+        job_id: u32,
+        /// Slurm's restart count of the job when it was hit; a higher count means this requeue
+        /// already happened (before an agent crash or a timed-out attempt).
+        #[serde(default)]
+        restarts_before: Option<u32>,
+    },
+    Drain {
+        node: String,
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +31,10 @@ pub struct PendingAction {
     pub op: SlurmOp,
     pub attempts: u32,
     pub last_error: Option<String>,
+    /// Created by this agent process and never attempted. An action read back from disk after a
+    /// restart may have run just before the crash, so it is verified against Slurm first.
+    #[serde(skip)]
+    pub fresh: bool,
 }
 
 /// Result of one attempt.
@@ -57,9 +70,23 @@ impl Scontrol {
         .map_err(|e| e.to_string())
     }
 
-    pub fn execute(&self, op: &SlurmOp) -> Outcome {
+    /// Runs one action. `verify`: it may have run already; check Slurm's state first so it is not
+    /// done twice.
+    pub fn execute(&self, op: &SlurmOp, verify: bool) -> Outcome {
         match op {
-            SlurmOp::Requeue { job_id } => {
+            SlurmOp::Requeue {
+                job_id,
+                restarts_before,
+            } => {
+                if let (true, Some(before)) = (verify, restarts_before) {
+                    if let Ok(now) = self.job_restarts(*job_id) {
+                        if now > *before {
+                            return Outcome::Done(format!(
+                                "job {job_id} already requeued (Restarts={now})"
+                            ));
+                        }
+                    }
+                }
                 let id = job_id.to_string();
                 match self.run(&["requeue", &id]) {
                     Ok((true, _)) => Outcome::Done(format!("requeued job {job_id}")),
@@ -89,6 +116,19 @@ impl Scontrol {
                     Err(e) => Outcome::Retry(e),
                 }
             }
+        }
+    }
+
+    /// Slurm's restart count of a job (`scontrol show job -o`).
+    pub fn job_restarts(&self, job_id: u32) -> Result<u32, String> {
+        match self.run(&["show", "job", &job_id.to_string(), "-o"]) {
+            Ok((true, out)) => out
+                .split_whitespace()
+                .find_map(|t| t.strip_prefix("Restarts="))
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("no Restarts= in: {out}")),
+            Ok((false, out)) => Err(out),
+            Err(e) => Err(e),
         }
     }
 
@@ -208,10 +248,50 @@ mod tests {
             ..SlurmConfig::default()
         });
         assert!(matches!(
-            s.execute(&SlurmOp::Requeue { job_id: 1 }),
+            s.execute(
+                &SlurmOp::Requeue {
+                    job_id: 1,
+                    restarts_before: None
+                },
+                false
+            ),
             Outcome::Retry(_)
         ));
         assert_eq!(s.backoff(0), Duration::from_millis(500));
         assert_eq!(s.backoff(30), Duration::from_millis(60_000));
+    }
+
+    #[test]
+    fn a_requeue_that_may_have_run_is_verified_and_not_repeated() {
+        let dir = std::env::temp_dir().join(format!("mpsr-slurm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let shim = dir.join("scontrol");
+        // Slurm already shows the job requeued once; a requeue call is recorded.
+        std::fs::write(
+            &shim,
+            format!(
+                "#!/bin/sh\ncase \"$1\" in show) echo 'JobId=7 JobState=PENDING Restarts=1';; *) echo \"$@\" >> {}/calls;; esac\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let s = Scontrol::new(SlurmConfig {
+            scontrol: shim,
+            ..SlurmConfig::default()
+        });
+        let op = SlurmOp::Requeue {
+            job_id: 7,
+            restarts_before: Some(0),
+        };
+        assert!(matches!(s.execute(&op, true), Outcome::Done(m) if m.contains("already requeued")));
+        assert!(!dir.join("calls").exists(), "requeue must not run again");
+        // A fresh action is not verified (no extra scontrol call on the fast path).
+        assert!(matches!(s.execute(&op, false), Outcome::Done(_)));
+        assert!(std::fs::read_to_string(dir.join("calls"))
+            .unwrap()
+            .contains("requeue 7"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -21,7 +21,7 @@ impl Env {
         let shim = d.join("scontrol");
         std::fs::write(
             &shim,
-            format!("#!/bin/sh\necho \"$@\" >> {}/scontrol.log\ncase \"$1\" in show) echo 'NodeName=n1 State=IDLE ThreadsPerCore=1';; esac\nexit 0\n", d.display()),
+            format!("#!/bin/sh\nL={}/scontrol.log\ncase \"$1 $2\" in\n  'show job') echo \"JobId=$3 JobState=RUNNING Restarts=$(grep -c \"^requeue $3\\$\" $L)\";;\n  'show node') echo 'NodeName=n1 State=IDLE ThreadsPerCore=1';;\n  *) echo \"$@\" >> $L;;\nesac\nexit 0\n", d.display()),
         )
         .unwrap();
         std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -29,7 +29,7 @@ impl Env {
         std::fs::write(
             d.join("agent.toml"),
             format!(
-                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\n[faults]\nkmsg = false\n{extra}",
+                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n[faults]\nkmsg = false\n{extra}",
                 d.display()
             ),
         )
@@ -148,7 +148,17 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        self.kill_agent();
+        // A clean stop also stops the simulated GPU daemon (quit_on_shutdown = true).
+        if let Some(mut c) = self.agent.take() {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -627,4 +637,38 @@ fn bad_config_is_rejected_with_the_key_named() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// A victim's task may be reported dead (Slurm's task_exit -> deregister) before the fault's first
+/// signal reaches the agent: it is still in the hit set, and a task that ended cleanly is not.
+#[test]
+fn a_victim_that_deregistered_just_before_the_fault_is_still_hit() {
+    let e = Env::new("");
+    let c1 = e.client(0, 30.0, false);
+    let c2 = e.client(0, 30.0, false);
+    e.register(21, c1.id(), &[0], Mode::Requeue, true);
+    e.register(22, c2.id(), &[0], Mode::Requeue, true);
+    for (job, pid, status) in [(21, c1.id(), 1), (22, c2.id(), 0)] {
+        let r = e
+            .call(&Request::Deregister {
+                job_id: job,
+                step_id: mpsr_proto::BATCH_STEP,
+                pid,
+                exit_status: Some(status),
+            })
+            .unwrap();
+        assert_eq!(r, Response::Ok);
+    }
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+    })
+    .unwrap();
+    e.wait_for("requeue of the early-exited victim", |e| {
+        e.scontrol_log().contains("requeue 21")
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.hit_jobs, vec![21], "{f:?}");
+    assert!(!e.scontrol_log().contains("requeue 22"));
 }

@@ -104,6 +104,13 @@ pub enum Request {
         #[serde(default)]
         exit_status: Option<i32>,
     },
+    /// A job starts on this node (prolog): forget leftovers of an earlier run of the same job id.
+    JobStart {
+        job_id: u32,
+        uid: u32,
+        #[serde(default)]
+        restart_count: u32,
+    },
     /// A job ended on this node: drop what is left of it and return its fault report.
     JobEnd {
         job_id: u32,
@@ -302,6 +309,29 @@ impl Response {
             message: message.into(),
         }
     }
+}
+
+/// Parses a size like `900M`, `16G`, `1024` (bytes). Shared by the agent config and the plugin.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (s, 1u64),
+        Some((i, _)) => {
+            let m = match s[i..].to_ascii_uppercase().trim_end_matches('B') {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                "T" => 1 << 40,
+                _ => return None,
+            };
+            (&s[..i], m)
+        }
+    };
+    num.parse::<u64>()
+        .ok()?
+        .checked_mul(mult)
+        .filter(|v| *v > 0)
 }
 
 #[cfg(test)]

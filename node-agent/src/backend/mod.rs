@@ -28,6 +28,8 @@ pub enum BackendError {
     NoSuchGpu(u32),
     #[error("{0} is only available with the sim backend")]
     Unsupported(&'static str),
+    #[error("simulated GPUs: {0}")]
+    Sim(String),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -23,6 +23,7 @@ pub struct NvmlBackend {
     mem_limit: String,
     kmsg: Option<(std::path::PathBuf, std::path::PathBuf)>,
     mps_logs: bool,
+    quit_on_shutdown: bool,
 }
 
 /// What works on this node, for `mpsr-agent --self-check`.
@@ -144,6 +145,7 @@ impl NvmlBackend {
                 )
             }),
             mps_logs: cfg.faults.mps_logs,
+            quit_on_shutdown: cfg.mps.quit_on_shutdown,
         })
     }
 
@@ -296,6 +298,9 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn shutdown(&self) {
+        if !self.quit_on_shutdown {
+            return;
+        }
         for d in &self.daemons {
             if let Err(e) = d.quit() {
                 tracing::warn!(gpu = d.gpu, error = %e, "MPS control daemon quit failed");

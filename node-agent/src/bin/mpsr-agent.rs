@@ -92,9 +92,9 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
             Arc::new(SimBackend::new(
                 cfg.sim.gpus,
                 &cfg.run_dir,
-                classifier.clone(),
                 cfg.sim.isolation,
                 cfg.sim.recovery_ms,
+                cfg.mps.quit_on_shutdown,
             )?)
         }
         Backend::Nvml => Arc::new(NvmlBackend::new(&cfg)?),

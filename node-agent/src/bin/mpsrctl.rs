@@ -65,6 +65,16 @@ enum Cmd {
     },
     /// Mark a GPU healthy after an operator fixed it.
     ClearGpu { gpu: u32 },
+    /// A job starts on this node (the prolog calls this; root only).
+    JobStart {
+        job_id: u32,
+        #[arg(long)]
+        uid: u32,
+        #[arg(long, default_value_t = 0)]
+        restart_count: u32,
+    },
+    /// A job ended on this node: print its fault report (the epilog calls this; root only).
+    JobEnd { job_id: u32 },
     /// Simulated GPUs only.
     Sim {
         #[command(subcommand)]
@@ -129,6 +139,16 @@ fn main() -> std::process::ExitCode {
             exit_status: *exit_status,
         },
         Cmd::ClearGpu { gpu } => Request::ClearGpu { gpu: *gpu },
+        Cmd::JobStart {
+            job_id,
+            uid,
+            restart_count,
+        } => Request::JobStart {
+            job_id: *job_id,
+            uid: *uid,
+            restart_count: *restart_count,
+        },
+        Cmd::JobEnd { job_id } => Request::JobEnd { job_id: *job_id },
         Cmd::Sim {
             cmd: SimCmd::Inject { gpu, xid, culprit },
         } => Request::SimInject {

@@ -1,0 +1,77 @@
+//! The plugin's calls to the node agent: each one bounded by `timeout_ms`, none retried (a slow
+//! agent must not hold up a job launch).
+
+use crate::config::PlugConfig;
+use mpsr_proto::{Client, ClientError, GpuContext, Registration, Request, Response};
+
+#[derive(Debug)]
+pub enum AgentError {
+    /// Down, not answering in time, or speaking garbage.
+    Unreachable(String),
+    /// The agent answered with a refusal.
+    Refused(String),
+}
+
+impl std::fmt::Display for AgentError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentError::Unreachable(m) => f.write_str(m),
+            AgentError::Refused(m) => write!(f, "node agent refused: {m}"),
+        }
+    }
+}
+
+fn call(cfg: &PlugConfig, req: &Request) -> Result<Response, AgentError> {
+    let c = Client::new(&cfg.agent_socket, cfg.timeout);
+    match c.call(req) {
+        Ok(Response::Error { code, message }) => {
+            Err(AgentError::Refused(format!("{message} ({code:?})")))
+        }
+        Ok(r) => Ok(r),
+        Err(e @ ClientError::Unavailable(..)) | Err(e @ ClientError::Protocol(_)) => {
+            Err(AgentError::Unreachable(e.to_string()))
+        }
+    }
+}
+
+pub fn gpu_contexts(cfg: &PlugConfig, gpus: &[u32]) -> Result<Vec<GpuContext>, AgentError> {
+    match call(
+        cfg,
+        &Request::GpuContexts {
+            gpus: gpus.to_vec(),
+        },
+    )? {
+        Response::GpuContexts { contexts } if contexts.len() == gpus.len() => Ok(contexts),
+        other => Err(AgentError::Unreachable(format!(
+            "unexpected reply to gpu_contexts: {other:?}"
+        ))),
+    }
+}
+
+pub fn register(cfg: &PlugConfig, r: Registration) -> Result<(), AgentError> {
+    match call(cfg, &Request::Register(r))? {
+        Response::Ok => Ok(()),
+        other => Err(AgentError::Unreachable(format!(
+            "unexpected reply to register: {other:?}"
+        ))),
+    }
+}
+
+pub fn deregister(
+    cfg: &PlugConfig,
+    job_id: u32,
+    step_id: u32,
+    pid: u32,
+    exit_status: Option<i32>,
+) -> Result<(), AgentError> {
+    call(
+        cfg,
+        &Request::Deregister {
+            job_id,
+            step_id,
+            pid,
+            exit_status,
+        },
+    )
+    .map(|_| ())
+}

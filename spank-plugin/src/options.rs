@@ -1,0 +1,196 @@
+//! The plugin's options: one table, one callback, values parsed and validated here.
+//!
+//! `--mps-resilient[=MODE]`, `--mps-threads=PCT`, `--mps-mem=SIZE`. Bad values are refused in
+//! srun/sbatch (the callback returns -1, so the command exits non-zero with the message).
+
+use crate::sys::{ffi, OptionEntry};
+use mpsr_proto::Mode;
+use std::os::raw::{c_char, c_int};
+use std::sync::Mutex;
+
+pub const OPT_MODE: c_int = 0;
+pub const OPT_THREADS: c_int = 1;
+pub const OPT_MEM: c_int = 2;
+
+pub static OPTIONS: [OptionEntry; 3] = [
+    OptionEntry::new(
+        c"mps-resilient",
+        Some(c"MODE"),
+        c"[mps-resilient] share GPUs through per-GPU MPS with fault protection. MODE: requeue (batch jobs are requeued when a GPU fault hits them), resume (hit tasks restart in place; run them under mpsr-run), off (MPS only). Default set by the admin (usually requeue).",
+        2,
+        OPT_MODE,
+        Some(option_cb),
+    ),
+    OptionEntry::new(
+        c"mps-threads",
+        Some(c"PCT"),
+        c"[mps-resilient] MPS active thread percentage for this job's GPU clients (1-100).",
+        1,
+        OPT_THREADS,
+        Some(option_cb),
+    ),
+    OptionEntry::new(
+        c"mps-mem",
+        Some(c"SIZE"),
+        c"[mps-resilient] pinned device memory limit per GPU client, e.g. 8G or 512M.",
+        1,
+        OPT_MEM,
+        Some(option_cb),
+    ),
+];
+
+/// What the user asked for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OptValues {
+    /// `Some(None)`: `--mps-resilient` without a value (the admin's default mode applies).
+    pub mode: Option<Option<Mode>>,
+    pub threads: Option<u8>,
+    pub mem: Option<u64>,
+}
+
+impl OptValues {
+    pub fn enabled(&self) -> bool {
+        self.mode.is_some()
+    }
+
+    pub fn mode(&self, default: Mode) -> Option<Mode> {
+        self.mode.map(|m| m.unwrap_or(default))
+    }
+
+    /// Limits without the main flag are a mistake worth telling the user about.
+    pub fn check(&self) -> Result<(), String> {
+        if self.mode.is_none() && (self.threads.is_some() || self.mem.is_some()) {
+            return Err("--mps-threads/--mps-mem need --mps-resilient".into());
+        }
+        Ok(())
+    }
+
+    /// Applies one option occurrence. Slurm may call us twice with the same value; a conflicting
+    /// repeat is an error.
+    pub fn apply(&mut self, val: c_int, arg: Option<&str>) -> Result<(), String> {
+        match val {
+            OPT_MODE => {
+                let m = match arg {
+                    None | Some("") | Some("(null)") => None,
+                    Some(a) => Some(parse_mode(a)?),
+                };
+                if let (Some(Some(prev)), Some(new)) = (self.mode, m) {
+                    if prev != new {
+                        return Err("--mps-resilient given twice with different modes".into());
+                    }
+                }
+                if m.is_some() || self.mode.is_none() {
+                    self.mode = Some(m);
+                }
+            }
+            OPT_THREADS => self.threads = Some(parse_threads(arg.unwrap_or(""))?),
+            OPT_MEM => self.mem = Some(parse_mem(arg.unwrap_or(""))?),
+            other => return Err(format!("unknown option index {other}")),
+        }
+        Ok(())
+    }
+}
+
+pub fn parse_mode(s: &str) -> Result<Mode, String> {
+    s.parse::<Mode>()
+        .map_err(|_| format!("--mps-resilient={s}: expected requeue, resume or off"))
+}
+
+pub fn parse_threads(s: &str) -> Result<u8, String> {
+    s.trim()
+        .parse::<u8>()
+        .ok()
+        .filter(|p| (1..=100).contains(p))
+        .ok_or_else(|| format!("--mps-threads={s}: expected a percentage in 1..100"))
+}
+
+pub fn parse_mem(s: &str) -> Result<u64, String> {
+    mpsr_proto::parse_size(s)
+        .ok_or_else(|| format!("--mps-mem={s}: expected a size such as 8G, 512M or 1073741824"))
+}
+
+/// Values seen by the option callback in this process (srun/sbatch, or slurmstepd).
+pub static SEEN: Mutex<OptValues> = Mutex::new(OptValues {
+    mode: None,
+    threads: None,
+    mem: None,
+});
+
+pub fn seen() -> OptValues {
+    SEEN.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// The one callback for every option. Never unwinds into Slurm.
+unsafe extern "C" fn option_cb(val: c_int, optarg: *const c_char, _remote: c_int) -> c_int {
+    let arg = if optarg.is_null() {
+        None
+    } else {
+        // SAFETY: Slurm passes a NUL-terminated string valid for the duration of the callback.
+        Some(
+            unsafe { std::ffi::CStr::from_ptr(optarg) }
+                .to_string_lossy()
+                .into_owned(),
+        )
+    };
+    let r = std::panic::catch_unwind(|| {
+        SEEN.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .apply(val, arg.as_deref())
+    });
+    match r {
+        Ok(Ok(())) => 0,
+        Ok(Err(msg)) => {
+            crate::sys::log_error(&msg);
+            -1
+        }
+        Err(_) => -1,
+    }
+}
+
+/// The option entry for an index (for `spank_option_getopt`).
+pub fn entry(val: c_int) -> &'static OptionEntry {
+    &OPTIONS[val as usize]
+}
+
+// Keep the C type in sync with the hand-written declaration.
+const _: ffi::spank_opt_cb_f = Some(option_cb);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_parse_and_validate() {
+        let mut v = OptValues::default();
+        assert!(!v.enabled());
+        v.apply(OPT_MODE, None).unwrap();
+        assert_eq!(v.mode(Mode::Requeue), Some(Mode::Requeue));
+        v.apply(OPT_MODE, Some("resume")).unwrap();
+        assert_eq!(v.mode(Mode::Requeue), Some(Mode::Resume));
+        // Same value twice is fine (Slurm does that); a different one is not.
+        v.apply(OPT_MODE, Some("resume")).unwrap();
+        assert!(v.apply(OPT_MODE, Some("off")).is_err());
+        v.apply(OPT_THREADS, Some("30")).unwrap();
+        v.apply(OPT_MEM, Some("8G")).unwrap();
+        assert_eq!(v.threads, Some(30));
+        assert_eq!(v.mem, Some(8 << 30));
+        v.check().unwrap();
+    }
+
+    #[test]
+    fn bad_values_rejected_with_the_option_named() {
+        let mut v = OptValues::default();
+        let e = v.apply(OPT_MODE, Some("sometimes")).unwrap_err();
+        assert!(e.contains("--mps-resilient=sometimes"), "{e}");
+        assert!(v.apply(OPT_THREADS, Some("0")).is_err());
+        assert!(v.apply(OPT_THREADS, Some("101")).is_err());
+        assert!(v.apply(OPT_THREADS, Some("")).is_err());
+        assert!(v
+            .apply(OPT_MEM, Some("lots"))
+            .unwrap_err()
+            .contains("--mps-mem"));
+        let mut only_limits = OptValues::default();
+        only_limits.apply(OPT_THREADS, Some("50")).unwrap();
+        assert!(only_limits.check().is_err());
+    }
+}

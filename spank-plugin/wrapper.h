@@ -1,0 +1,2 @@
+#include <slurm/spank.h>
+#include <slurm/slurm_version.h>

@@ -1,0 +1,284 @@
+//! mpsr-run: the resume supervisor for `--mps-resilient=resume`.
+//!
+//! `srun --mps-resilient=resume mpsr-run -- ./app args` runs `./app` as a child. When the child dies
+//! abnormally, mpsr-run asks the node agent whether a GPU fault hit this task: if so, it waits until
+//! the GPU's MPS server is ACTIVE again and restarts the child in place (same task, same pid for
+//! Slurm); a culprit, a lost GPU, or a failure the agent knows nothing of ends the task with the
+//! child's status. Signals are forwarded to the child and stop further restarts.
+
+use mpsr_proto::{Client, Request, Response, ResumeVerdict, BATCH_STEP};
+use std::process::{Command, ExitCode};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+const USAGE: &str = "usage: mpsr-run [--max-restarts N] [--backoff-ms MS] [--settle-ms MS] [--wait-s S] -- COMMAND [ARGS...]";
+
+#[derive(Debug, Clone, PartialEq)]
+struct Opts {
+    max_restarts: u32,
+    backoff: Duration,
+    /// How long an abnormal exit waits for the agent to attribute it to a fault.
+    settle: Duration,
+    /// How long to wait for the GPU's MPS server to be ACTIVE again.
+    wait: Duration,
+    cmd: Vec<String>,
+}
+
+fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts {
+        max_restarts: 3,
+        backoff: Duration::from_millis(100),
+        settle: Duration::from_millis(1500),
+        wait: Duration::from_secs(120),
+        cmd: Vec::new(),
+    };
+    let mut i = 0;
+    let num = |v: Option<&String>, name: &str| -> Result<u64, String> {
+        v.and_then(|s| s.parse::<u64>().ok())
+            .ok_or_else(|| format!("{name} needs a non-negative number\n{USAGE}"))
+    };
+    while i < args.len() {
+        match args[i].as_str() {
+            "--" => {
+                o.cmd = args[i + 1..].to_vec();
+                break;
+            }
+            "--max-restarts" => {
+                o.max_restarts = num(args.get(i + 1), "--max-restarts")?.min(1000) as u32;
+                i += 1;
+            }
+            "--backoff-ms" => {
+                o.backoff = Duration::from_millis(num(args.get(i + 1), "--backoff-ms")?);
+                i += 1;
+            }
+            "--settle-ms" => {
+                o.settle = Duration::from_millis(num(args.get(i + 1), "--settle-ms")?);
+                i += 1;
+            }
+            "--wait-s" => {
+                o.wait = Duration::from_secs(num(args.get(i + 1), "--wait-s")?);
+                i += 1;
+            }
+            "-h" | "--help" => return Err(USAGE.into()),
+            other if other.starts_with('-') => {
+                return Err(format!("unknown option {other}\n{USAGE}"))
+            }
+            _ => {
+                // No "--": the rest is the command.
+                o.cmd = args[i..].to_vec();
+                break;
+            }
+        }
+        i += 1;
+    }
+    if o.cmd.is_empty() {
+        return Err(format!("no command given\n{USAGE}"));
+    }
+    Ok(o)
+}
+
+/// The task this supervisor belongs to, from Slurm's environment.
+#[derive(Debug, Clone, Copy)]
+struct TaskId {
+    job: u32,
+    step: u32,
+}
+
+fn task_from_env() -> Option<TaskId> {
+    let job = std::env::var("SLURM_JOB_ID").ok()?.parse().ok()?;
+    // The batch script has no SLURM_STEP_ID.
+    let step = match std::env::var("SLURM_STEP_ID") {
+        Ok(s) => s.parse().ok()?,
+        Err(_) => BATCH_STEP,
+    };
+    Some(TaskId { job, step })
+}
+
+static CHILD: AtomicI32 = AtomicI32::new(0);
+static STOPPING: AtomicI32 = AtomicI32::new(0);
+
+/// Forwards termination signals to the child; a forwarded signal means "do not restart".
+fn forward_signals() {
+    let sigs = [
+        libc::SIGTERM,
+        libc::SIGINT,
+        libc::SIGHUP,
+        libc::SIGUSR1,
+        libc::SIGUSR2,
+        libc::SIGQUIT,
+    ];
+    // SAFETY: building a local sigset and blocking it in this (still single-threaded) process, so
+    // only the waiter thread below receives these signals.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in sigs {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    std::thread::spawn(move || loop {
+        let mut sig: libc::c_int = 0;
+        // SAFETY: set is a valid, initialized sigset; sig is a valid out-parameter.
+        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            return;
+        }
+        if sig != libc::SIGUSR1 && sig != libc::SIGUSR2 {
+            STOPPING.store(sig, Ordering::SeqCst);
+        }
+        let child = CHILD.load(Ordering::SeqCst);
+        if child > 0 {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe { libc::kill(child, sig) };
+        }
+    });
+}
+
+fn exit_code(status: std::process::ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(s)) => 128u8.saturating_add(s as u8),
+        _ => 1,
+    }
+}
+
+/// Asks the agent what to do about this task's failed child.
+fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
+    let socket =
+        std::env::var("MPSR_SOCKET").unwrap_or_else(|_| "/run/mps-resilient/agent.sock".into());
+    let client = Client::new(&socket, Duration::from_secs(2));
+    let req = Request::ResumeQuery {
+        job_id: t.job,
+        step_id: t.step,
+        pid: std::process::id(),
+    };
+    let settle_until = Instant::now() + o.settle;
+    let wait_until = Instant::now() + o.wait;
+    loop {
+        match client.call(&req) {
+            Ok(Response::Resume { verdict, reason }) => match verdict {
+                ResumeVerdict::Restart | ResumeVerdict::Fail => return (verdict, reason),
+                // The fault may not have reached the agent yet: give it the settle time.
+                ResumeVerdict::NotHit if Instant::now() >= settle_until => {
+                    return (verdict, reason)
+                }
+                ResumeVerdict::Wait if Instant::now() >= wait_until => {
+                    return (
+                        ResumeVerdict::Fail,
+                        format!("GPU not ready after {} s: {reason}", o.wait.as_secs()),
+                    )
+                }
+                _ => {}
+            },
+            Ok(Response::Error { message, .. }) => {
+                return (ResumeVerdict::NotHit, format!("agent refused: {message}"))
+            }
+            Ok(other) => return (ResumeVerdict::NotHit, format!("unexpected reply {other:?}")),
+            Err(e) => {
+                if Instant::now() >= settle_until {
+                    return (ResumeVerdict::NotHit, e.to_string());
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let o = match parse(&args) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("mpsr-run: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let task = task_from_env();
+    if task.is_none() {
+        eprintln!("mpsr-run: not inside a Slurm job (no SLURM_JOB_ID): running without resume");
+    }
+    forward_signals();
+    let mut restarts = 0u32;
+    loop {
+        let started = Instant::now();
+        let mut child = match Command::new(&o.cmd[0])
+            .args(&o.cmd[1..])
+            .env("MPSR_RESTARTS", restarts.to_string())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);
+                return ExitCode::from(127);
+            }
+        };
+        CHILD.store(child.id() as i32, Ordering::SeqCst);
+        let status = match child.wait() {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("mpsr-run: waiting for {}: {e}", o.cmd[0]);
+                return ExitCode::from(1);
+            }
+        };
+        CHILD.store(0, Ordering::SeqCst);
+        let code = exit_code(status);
+        if status.success() || STOPPING.load(Ordering::SeqCst) != 0 {
+            return ExitCode::from(code);
+        }
+        let Some(t) = task else {
+            return ExitCode::from(code);
+        };
+        let (v, reason) = verdict(&o, t);
+        match v {
+            ResumeVerdict::Restart if restarts < o.max_restarts => {
+                restarts += 1;
+                let backoff = o.backoff * 2u32.saturating_pow(restarts - 1).min(64);
+                eprintln!(
+                    "mpsr-run: child exited with status {code} after {:.1} s; {reason}; restarting in place ({restarts}/{})",
+                    started.elapsed().as_secs_f64(),
+                    o.max_restarts
+                );
+                std::thread::sleep(backoff);
+            }
+            ResumeVerdict::Restart => {
+                eprintln!(
+                    "mpsr-run: {reason}, but the restart limit ({}) is reached; exiting with status {code}",
+                    o.max_restarts
+                );
+                return ExitCode::from(code);
+            }
+            ResumeVerdict::Fail => {
+                eprintln!("mpsr-run: not restarting: {reason}; exiting with status {code}");
+                return ExitCode::from(code);
+            }
+            ResumeVerdict::Wait | ResumeVerdict::NotHit => {
+                // Its own failure, not a GPU fault of someone else's: nothing to resume.
+                return ExitCode::from(code);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn options() {
+        let o = parse(&a(&["--max-restarts", "5", "--", "app", "--x"])).unwrap();
+        assert_eq!(o.max_restarts, 5);
+        assert_eq!(o.cmd, a(&["app", "--x"]));
+        let o = parse(&a(&["app", "-v"])).unwrap();
+        assert_eq!(o.cmd, a(&["app", "-v"]));
+        assert!(parse(&a(&["--"])).is_err());
+        assert!(parse(&a(&["--max-restarts"])).is_err());
+        assert!(parse(&a(&["--max-restarts", "x", "--", "a"])).is_err());
+        assert!(parse(&a(&["--bogus", "--", "a"])).is_err());
+    }
+}

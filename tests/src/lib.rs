@@ -1,0 +1,777 @@
+//! A real Slurm cluster on localhost for tests and the demo: a private munged, slurmctld and one
+//! slurmd per emulated node (`slurmd -N`), the mps-resilient SPANK plugin in plugstack.conf, the
+//! prolog/epilog/health-check scripts, and one node agent per node with SIMULATED GPUs.
+//!
+//! Everything lives in one temporary directory with private ports and sockets, so it cannot touch
+//! a real cluster on the same host. `Drop` stops every daemon and job (also when a test panics; the
+//! directory is kept then for the logs). Needs root (slurmd starts jobs as other users).
+
+use mpsr_proto::{Client, Request, Response, StatusReply};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn err(msg: impl Into<String>) -> Error {
+    msg.into().into()
+}
+
+/// Files copied from the build into the cluster dir (readable by job users, unlike ~/target).
+const BINARIES: &[&str] = &[
+    "mpsr-agent",
+    "mpsrctl",
+    "mpsr-simclient",
+    "mpsr-simgpu",
+    "mpsr-run",
+];
+const PLUGIN_SO: &str = "libmpsr_spank.so";
+const SCRIPTS: &[&str] = &["mpsr-prolog", "mpsr-epilog", "mpsr-healthcheck"];
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub nodes: Vec<String>,
+    pub gpus_per_node: u32,
+    /// Shards (GPU slices a job asks for with --gres=shard:N) per GPU.
+    pub shards_per_gpu: u32,
+    /// Extra plugstack.conf arguments.
+    pub plugin_args: Vec<String>,
+    /// Seconds between slurmd health checks (0 = off).
+    pub health_interval_s: u32,
+    /// Seconds a requeued job waits before it may start again (Slurm's cred_expire).
+    pub cred_expire_s: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            nodes: vec!["n1".into(), "n2".into()],
+            gpus_per_node: 2,
+            shards_per_gpu: 4,
+            plugin_args: vec![],
+            health_interval_s: 0,
+            cred_expire_s: 5,
+        }
+    }
+}
+
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub bin: PathBuf,
+    pub conf: PathBuf,
+    pub opts: Options,
+    daemons: Vec<(String, Child)>,
+    agents: BTreeMap<String, Child>,
+    keep: bool,
+}
+
+/// The build output directory holding the workspace's binaries (target/debug or target/release).
+pub fn build_dir() -> Result<PathBuf> {
+    if let Ok(d) = std::env::var("MPSR_BUILD_DIR") {
+        return Ok(d.into());
+    }
+    // A test binary lives in target/<profile>/deps, a binary in target/<profile>.
+    let exe = std::env::current_exe()?;
+    for dir in exe.ancestors().skip(1).take(3) {
+        if dir.join("mpsr-agent").exists() && dir.join(PLUGIN_SO).exists() {
+            return Ok(dir.to_path_buf());
+        }
+    }
+    Err(err(format!(
+        "mpsr-agent and {PLUGIN_SO} not found near {}; run `cargo build --workspace` first",
+        exe.display()
+    )))
+}
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// What the cluster needs from the host; an empty list means it can start.
+pub fn missing_prerequisites() -> Vec<String> {
+    let mut out = Vec::new();
+    if !is_root() {
+        out.push("root (slurmd runs jobs as other users)".into());
+    }
+    for b in [
+        "slurmctld",
+        "slurmd",
+        "scontrol",
+        "sbatch",
+        "srun",
+        "munged",
+    ] {
+        if which(b).is_none() {
+            out.push(format!(
+                "{b} (apt install slurmctld slurmd slurm-client munge)"
+            ));
+        }
+    }
+    out
+}
+
+pub fn which(bin: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin"])
+        .map(|d| Path::new(d).join(bin))
+        .find(|p| p.is_file());
+    found
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn write_file(path: &Path, text: &str, mode: u32) -> Result<()> {
+    std::fs::write(path, text).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(())
+}
+
+fn mkdir(path: &Path, mode: u32) -> Result<()> {
+    std::fs::create_dir_all(path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(())
+}
+
+/// Polls `f` every 100 ms until it returns `Some`, or fails after `timeout` naming `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Result<T> {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if Instant::now() >= end {
+            return Err(err(format!(
+                "timed out after {timeout:?} waiting for {what}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `Key=Value Key=Value ...` (scontrol -o); values may contain spaces.
+pub fn parse_kv(line: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut last: Option<String> = None;
+    for tok in line.split_whitespace() {
+        match tok.split_once('=') {
+            Some((k, v))
+                if !k.is_empty()
+                    && k.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':' || c == '/') =>
+            {
+                out.insert(k.to_string(), v.to_string());
+                last = Some(k.to_string());
+            }
+            _ => {
+                if let Some(k) = &last {
+                    if let Some(v) = out.get_mut(k) {
+                        v.push(' ');
+                        v.push_str(tok);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on the pid of a child we own.
+    unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+}
+
+fn stop_child(name: &str, c: &mut Child, grace: Duration) {
+    if let Ok(Some(_)) = c.try_wait() {
+        return;
+    }
+    signal(c, libc::SIGTERM);
+    let end = Instant::now() + grace;
+    while Instant::now() < end {
+        if let Ok(Some(_)) = c.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("cluster: {name} ignored SIGTERM; killing it");
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+impl Cluster {
+    pub fn start(opts: Options) -> Result<Cluster> {
+        let missing = missing_prerequisites();
+        if !missing.is_empty() {
+            return Err(err(format!(
+                "cannot start a local Slurm cluster; missing: {}",
+                missing.join(", ")
+            )));
+        }
+        let build = build_dir()?;
+        let base = std::env::var("MPSR_CLUSTER_BASE").unwrap_or_else(|_| "/tmp".into());
+        let dir = PathBuf::from(base).join(format!(
+            "mpsr-cluster.{}.{}",
+            std::process::id(),
+            Instant::now().elapsed().as_nanos()
+                ^ (std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.subsec_nanos() as u128)
+                    .unwrap_or(0))
+        ));
+        // Job users (nobody) need to reach binaries and write job output.
+        mkdir(&dir, 0o755)?;
+        let mut c = Cluster {
+            bin: dir.join("bin"),
+            conf: dir.join("etc/slurm.conf"),
+            dir,
+            opts,
+            daemons: Vec::new(),
+            agents: BTreeMap::new(),
+            keep: std::env::var_os("MPSR_KEEP").is_some(),
+        };
+        c.prepare(&build)?;
+        c.start_daemons()?;
+        Ok(c)
+    }
+
+    fn prepare(&mut self, build: &Path) -> Result<()> {
+        let d = &self.dir;
+        for sub in ["bin", "etc", "spool", "log", "munge", "dev"] {
+            mkdir(&d.join(sub), 0o755)?;
+        }
+        mkdir(&d.join("jobs"), 0o1777)?;
+        for b in BINARIES {
+            std::fs::copy(build.join(b), self.bin.join(b))
+                .map_err(|e| err(format!("copying {b}: {e}")))?;
+        }
+        std::fs::copy(build.join(PLUGIN_SO), self.bin.join("mps_resilient.so"))?;
+        for s in SCRIPTS {
+            std::fs::copy(repo_root().join("scripts/slurm").join(s), self.bin.join(s))?;
+        }
+        // Fake GPU device nodes: Slurm's gres/gpu wants character devices to number them.
+        for n in &self.opts.nodes {
+            mkdir(&d.join(n), 0o755)?;
+            for g in 0..self.opts.gpus_per_node {
+                let p = d.join("dev").join(format!("{n}-gpu{g}"));
+                let cp = std::ffi::CString::new(p.display().to_string())?;
+                // SAFETY: mknod with a valid path; makes a char device like /dev/null (1:3).
+                let rc =
+                    unsafe { libc::mknod(cp.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+                if rc != 0 {
+                    return Err(err(format!(
+                        "mknod {}: {}",
+                        p.display(),
+                        std::io::Error::last_os_error()
+                    )));
+                }
+            }
+        }
+        let key: Vec<u8> = (0..1024)
+            .map(|i| (i as u8) ^ (std::process::id() as u8))
+            .collect();
+        let key_path = d.join("munge/munge.key");
+        std::fs::write(&key_path, key)?;
+        std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o600))?;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")?
+            .trim()
+            .to_string();
+        let (ctld_port, slurmd_port) = (free_port()?, free_port()?);
+        let o = &self.opts;
+        let gpus = o.gpus_per_node;
+        let mut nodes = String::new();
+        let mut gres = String::new();
+        for n in &o.nodes {
+            let port = free_port()?;
+            nodes.push_str(&format!(
+                "NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 RealMemory=1000 Gres=gpu:{gpus},shard:{} State=UNKNOWN\n",
+                gpus * o.shards_per_gpu
+            ));
+            for g in 0..gpus {
+                let dev = d.join("dev").join(format!("{n}-gpu{g}"));
+                gres.push_str(&format!(
+                    "NodeName={n} Name=gpu File={}\nNodeName={n} Name=shard Count={} File={}\n",
+                    dev.display(),
+                    o.shards_per_gpu,
+                    dev.display()
+                ));
+            }
+        }
+        let t = d.display();
+        let health = if o.health_interval_s > 0 {
+            format!(
+                "HealthCheckProgram={t}/etc/healthcheck.sh\nHealthCheckInterval={}\nHealthCheckNodeState=ANY\n",
+                o.health_interval_s
+            )
+        } else {
+            String::new()
+        };
+        let conf = format!(
+            "# mps-resilient test cluster (generated)
+ClusterName=mpsrtest
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={t}/munge/munge.sock,cred_expire={cred}
+StateSaveLocation={t}/spool/ctld
+SlurmdSpoolDir={t}/spool/d.%n
+SlurmctldPidFile={t}/slurmctld.pid
+SlurmdPidFile={t}/slurmd.%n.pid
+SlurmctldLogFile={t}/log/slurmctld.log
+SlurmdLogFile={t}/log/slurmd.%n.log
+SlurmdDebug=debug
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerParameters=sched_interval=2,bf_interval=1
+MpiDefault=none
+ReturnToService=2
+KillWait=2
+MinJobAge=600
+GresTypes=gpu,shard
+PlugStackConfig={t}/etc/plugstack.conf
+Prolog={t}/etc/prolog.sh
+Epilog={t}/etc/epilog.sh
+{health}{nodes}PartitionName=debug Nodes={list} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+",
+            cred = o.cred_expire_s,
+            list = o.nodes.join(",")
+        );
+        write_file(&self.conf, &conf, 0o644)?;
+        write_file(&d.join("etc/gres.conf"), &gres, 0o644)?;
+        self.write_plugstack(&self.opts.plugin_args.clone())?;
+        let scripts_conf = format!(
+            "MPSRCTL={t}/bin/mpsrctl\nMPSR_SOCKET={t}/%n/agent.sock\nMPSR_REPORT_DIR={t}/%n/reports\nexport SLURM_CONF={t}/etc/slurm.conf\n"
+        );
+        write_file(&d.join("etc/scripts.conf"), &scripts_conf, 0o644)?;
+        for (name, script) in [
+            ("prolog.sh", "mpsr-prolog"),
+            ("epilog.sh", "mpsr-epilog"),
+            ("healthcheck.sh", "mpsr-healthcheck"),
+        ] {
+            write_file(
+                &d.join("etc").join(name),
+                &format!(
+                    "#!/bin/sh\nexport MPSR_SCRIPTS_CONF={t}/etc/scripts.conf\nexec {t}/bin/{script} \"$@\"\n"
+                ),
+                0o755,
+            )?;
+        }
+        for n in self.opts.nodes.clone() {
+            self.write_agent_config(&n)?;
+        }
+        Ok(())
+    }
+
+    /// Rewrites plugstack.conf (srun and slurmstepd read it anew for every job).
+    pub fn write_plugstack(&self, extra: &[String]) -> Result<()> {
+        let t = self.dir.display();
+        let mut line = format!(
+            "required {t}/bin/mps_resilient.so agent_socket={t}/%n/agent.sock timeout_ms=2000"
+        );
+        for a in extra {
+            line.push(' ');
+            line.push_str(a);
+        }
+        write_file(
+            &self.dir.join("etc/plugstack.conf"),
+            &format!("{line}\n"),
+            0o644,
+        )
+    }
+
+    fn write_agent_config(&self, node: &str) -> Result<()> {
+        let t = self.dir.display();
+        let cfg = format!(
+            "backend = \"sim\"
+socket = \"{t}/{node}/agent.sock\"
+state_dir = \"{t}/{node}/state\"
+run_dir = \"{t}/{node}/run\"
+node_name = \"{node}\"
+[log]
+target = \"stderr\"
+level = \"info\"
+[slurm]
+scontrol = \"scontrol\"
+slurm_conf = \"{t}/etc/slurm.conf\"
+timeout_ms = 5000
+[mps]
+fault_grace_ms = 1000
+[faults]
+kmsg = false
+[sim]
+gpus = {}
+",
+            self.opts.gpus_per_node
+        );
+        write_file(&self.dir.join(node).join("agent.toml"), &cfg, 0o644)
+    }
+
+    fn spawn(&self, name: &str, cmd: &mut Command) -> Result<Child> {
+        let log = std::fs::File::create(self.dir.join("log").join(format!("{name}.out")))?;
+        cmd.env("SLURM_CONF", &self.conf)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| err(format!("starting {name}: {e}")))
+    }
+
+    fn start_daemons(&mut self) -> Result<()> {
+        let d = self.dir.clone();
+        let munged = which("munged").ok_or_else(|| err("munged not found"))?;
+        let m = self.spawn(
+            "munged",
+            Command::new(munged).args([
+                "-F",
+                "--force",
+                &format!("--socket={}/munge/munge.sock", d.display()),
+                &format!("--key-file={}/munge/munge.key", d.display()),
+                &format!("--pid-file={}/munge/munged.pid", d.display()),
+                &format!("--log-file={}/munge/munged.log", d.display()),
+                &format!("--seed-file={}/munge/munged.seed", d.display()),
+            ]),
+        )?;
+        self.daemons.push(("munged".into(), m));
+        wait_for("munged socket", Duration::from_secs(10), || {
+            d.join("munge/munge.sock").exists().then_some(())
+        })?;
+        for n in self.opts.nodes.clone() {
+            self.start_agent(&n)?;
+        }
+        let ctld = self.spawn(
+            "slurmctld",
+            Command::new(which("slurmctld").ok_or_else(|| err("slurmctld not found"))?)
+                .args(["-D", "-i", "-f"])
+                .arg(&self.conf),
+        )?;
+        self.daemons.push(("slurmctld".into(), ctld));
+        for n in self.opts.nodes.clone() {
+            let sd = self.spawn(
+                &format!("slurmd.{n}"),
+                Command::new(which("slurmd").ok_or_else(|| err("slurmd not found"))?)
+                    .args(["-D", "-N", &n, "-f"])
+                    .arg(&self.conf),
+            )?;
+            self.daemons.push((format!("slurmd.{n}"), sd));
+        }
+        let nodes = self.opts.nodes.clone();
+        wait_for("all nodes idle in sinfo", Duration::from_secs(60), || {
+            let out = self.cmd("sinfo -h -N -o '%N %t'").ok()?;
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let idle = nodes
+                .iter()
+                .all(|n| text.lines().any(|l| l.trim() == format!("{n} idle")));
+            idle.then_some(())
+        })
+        .map_err(|e| err(format!("{e} (logs in {})", self.dir.join("log").display())))?;
+        Ok(())
+    }
+
+    pub fn agent_socket(&self, node: &str) -> PathBuf {
+        self.dir.join(node).join("agent.sock")
+    }
+
+    pub fn start_agent(&mut self, node: &str) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(node).join("agent.log"))?;
+        let child = Command::new(self.bin.join("mpsr-agent"))
+            .arg("--config")
+            .arg(self.dir.join(node).join("agent.toml"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.agents.insert(node.to_string(), child);
+        wait_for(
+            &format!("agent of {node} answering"),
+            Duration::from_secs(10),
+            || self.agent_status(node).ok(),
+        )?;
+        Ok(())
+    }
+
+    /// Stops a node's agent: `kill9` = crash, else a clean SIGTERM.
+    pub fn stop_agent(&mut self, node: &str, kill9: bool) {
+        if let Some(mut c) = self.agents.remove(node) {
+            if kill9 {
+                let _ = c.kill();
+                let _ = c.wait();
+            } else {
+                stop_child(&format!("agent {node}"), &mut c, Duration::from_secs(5));
+            }
+        }
+    }
+
+    pub fn agent_call(&self, node: &str, req: &Request) -> Result<Response> {
+        Ok(Client::new(self.agent_socket(node), Duration::from_secs(5)).call(req)?)
+    }
+
+    pub fn agent_status(&self, node: &str) -> Result<StatusReply> {
+        match self.agent_call(node, &Request::Status)? {
+            Response::Status(s) => Ok(s),
+            other => Err(err(format!("unexpected status reply {other:?}"))),
+        }
+    }
+
+    /// Injects a simulated Xid on a node's GPU; returns the simulated clients it killed.
+    pub fn inject(&self, node: &str, gpu: u32, xid: u32) -> Result<Vec<u32>> {
+        match self.agent_call(
+            node,
+            &Request::SimInject {
+                gpu,
+                xid,
+                culprit: None,
+            },
+        )? {
+            Response::Injected { killed, .. } => Ok(killed),
+            other => Err(err(format!("inject: {other:?}"))),
+        }
+    }
+
+    /// A shell command with this cluster's SLURM_CONF and binaries on PATH, as root.
+    pub fn cmd(&self, script: &str) -> Result<Output> {
+        Ok(Command::new("/bin/sh")
+            .arg("-c")
+            .arg(script)
+            .env("SLURM_CONF", &self.conf)
+            .env("PATH", self.path())
+            .stdin(Stdio::null())
+            .output()?)
+    }
+
+    fn path(&self) -> String {
+        format!(
+            "{}:{}",
+            self.bin.display(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+        )
+    }
+
+    /// A shell command as another user (`su`), in the cluster's job dir.
+    pub fn cmd_as(&self, user: &str, script: &str) -> Result<Output> {
+        if user == "root" {
+            return self.cmd(&format!("cd {} && {script}", self.jobs().display()));
+        }
+        let full = format!(
+            "export SLURM_CONF={} PATH={}; cd {} && {script}",
+            self.conf.display(),
+            self.path(),
+            self.jobs().display()
+        );
+        Ok(Command::new("su")
+            .args(["-s", "/bin/sh", user, "-c", &full])
+            .stdin(Stdio::null())
+            .output()?)
+    }
+
+    /// A shell command as another user, running in the background with output to a file.
+    pub fn spawn_as(&self, user: &str, script: &str, out: &Path) -> Result<Child> {
+        let f = std::fs::File::create(out)?;
+        std::fs::set_permissions(out, std::fs::Permissions::from_mode(0o666))?;
+        let full = format!(
+            "export SLURM_CONF={} PATH={}; cd {} && exec {script}",
+            self.conf.display(),
+            self.path(),
+            self.jobs().display()
+        );
+        let mut c = if user == "root" {
+            let mut c = Command::new("/bin/sh");
+            c.arg("-c").arg(&full);
+            c
+        } else {
+            let mut c = Command::new("su");
+            c.args(["-s", "/bin/sh", user, "-c", &full]);
+            c
+        };
+        Ok(c.stdin(Stdio::null())
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .spawn()?)
+    }
+
+    pub fn jobs(&self) -> PathBuf {
+        self.dir.join("jobs")
+    }
+
+    /// Submits a batch script as `user`; returns the job id.
+    pub fn sbatch(&self, user: &str, args: &str, script: &str) -> Result<u32> {
+        let n = std::fs::read_dir(self.jobs())?.count();
+        let path = self.jobs().join(format!("script{n}.sh"));
+        let mut f = std::fs::File::create(&path)?;
+        writeln!(f, "#!/bin/sh\n{script}")?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        let out = self.cmd_as(
+            user,
+            &format!(
+                "sbatch --parsable -o %j.out -e %j.out {args} {}",
+                path.display()
+            ),
+        )?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim()
+            .split(';')
+            .next()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| {
+                err(format!(
+                    "sbatch {args} failed: {} {}",
+                    text,
+                    String::from_utf8_lossy(&out.stderr)
+                ))
+            })
+    }
+
+    pub fn job(&self, id: u32) -> BTreeMap<String, String> {
+        self.cmd(&format!("scontrol -o show job {id}"))
+            .map(|o| parse_kv(&String::from_utf8_lossy(&o.stdout)))
+            .unwrap_or_default()
+    }
+
+    pub fn job_field(&self, id: u32, key: &str) -> String {
+        self.job(id).get(key).cloned().unwrap_or_default()
+    }
+
+    pub fn node(&self, node: &str) -> BTreeMap<String, String> {
+        self.cmd(&format!("scontrol -o show node {node}"))
+            .map(|o| parse_kv(&String::from_utf8_lossy(&o.stdout)))
+            .unwrap_or_default()
+    }
+
+    pub fn job_output(&self, id: u32) -> String {
+        std::fs::read_to_string(self.jobs().join(format!("{id}.out"))).unwrap_or_default()
+    }
+
+    /// Waits until a job is in one of `states` (e.g. RUNNING).
+    pub fn wait_job_state(&self, id: u32, states: &[&str], timeout: Duration) -> Result<()> {
+        wait_for(&format!("job {id} in {states:?}"), timeout, || {
+            let s = self.job_field(id, "JobState");
+            states.contains(&s.as_str()).then_some(())
+        })
+        .map_err(|e| {
+            err(format!(
+                "{e}; job is {:?}; output: {}",
+                self.job(id).get("JobState"),
+                self.job_output(id)
+            ))
+        })
+    }
+
+    /// Waits until the node's agent has `n` tasks of job `id` registered; returns their GPUs.
+    pub fn wait_registered(&self, node: &str, id: u32, n: usize) -> Result<Vec<u32>> {
+        wait_for(
+            &format!("{n} task(s) of job {id} registered on {node}"),
+            Duration::from_secs(30),
+            || {
+                let s = self.agent_status(node).ok()?;
+                let t: Vec<_> = s.tasks.iter().filter(|t| t.job_id == id).collect();
+                (t.len() == n).then(|| t.iter().flat_map(|t| t.gpus.clone()).collect())
+            },
+        )
+    }
+
+    /// Simulated MPS clients attached to a node's GPU.
+    pub fn clients(&self, node: &str, gpu: u32) -> Vec<u32> {
+        self.agent_status(node)
+            .ok()
+            .and_then(|s| s.gpus.into_iter().find(|g| g.gpu == gpu))
+            .map(|g| g.clients)
+            .unwrap_or_default()
+    }
+
+    fn cancel_all_jobs(&self) {
+        let _ = self.cmd("scancel --full --quiet $(squeue -h -o %i) 2>/dev/null");
+        let _ = wait_for("no jobs left", Duration::from_secs(15), || {
+            let out = self.cmd("squeue -h -t all -o %T").ok()?;
+            let t = String::from_utf8_lossy(&out.stdout).to_string();
+            (!t.lines().any(|l| l == "RUNNING" || l == "COMPLETING")).then_some(())
+        });
+    }
+
+    /// Kills processes started from this cluster's bin dir (left-over job processes).
+    fn kill_leftovers(&self) {
+        let Ok(rd) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for e in rd.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+            if exe.starts_with(&self.bin) && !self.agents.values().any(|c| c.id() as i32 == pid) {
+                // SAFETY: kill(2) on a process started from our private bin dir.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+
+    /// Keep the directory (logs) after the cluster stops.
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.cancel_all_jobs();
+        for (name, mut c) in std::mem::take(&mut self.daemons).into_iter().rev() {
+            stop_child(&name, &mut c, Duration::from_secs(10));
+        }
+        for n in self.agents.keys().cloned().collect::<Vec<_>>() {
+            self.stop_agent(&n, false);
+        }
+        // slurmstepd processes of this cluster outlive slurmd -D; their jobs were cancelled above.
+        self.kill_leftovers();
+        if std::thread::panicking() || self.keep {
+            eprintln!(
+                "cluster: kept {} (logs in log/, agents in n*/)",
+                self.dir.display()
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_parsing_keeps_spaces_in_values() {
+        let m = parse_kv(
+            "NodeName=n1 Arch=x86_64 State=IDLE+DRAIN Reason=mpsr: xid 79 (device_lost) on gpu0 [root@2026-12-03T07:00:00]",
+        );
+        assert_eq!(m["State"], "IDLE+DRAIN");
+        assert_eq!(
+            m["Reason"],
+            "mpsr: xid 79 (device_lost) on gpu0 [root@2026-12-03T07:00:00]"
+        );
+        let j = parse_kv("JobId=5 JobName=x JobState=PENDING Reason=BeginTime Restarts=1");
+        assert_eq!(j["Restarts"], "1");
+    }
+}

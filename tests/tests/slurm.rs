@@ -1,0 +1,423 @@
+//! End-to-end tests on a real Slurm (munge + slurmctld + two slurmd on localhost) with the
+//! mps-resilient plugin in plugstack.conf, the prolog/epilog/health-check scripts, and one agent
+//! per node with SIMULATED GPUs. Every assertion is on Slurm's own state (scontrol show job/node,
+//! exit codes) or on the agent's registry.
+//!
+//! Needs root and the Slurm packages (.ci/run installs them). Without them every test fails with
+//! the list of what is missing, unless MPSR_SKIP_SLURM_TESTS=1 says to skip them (printed).
+
+use mpsr_e2e::{wait_for, Cluster, Options};
+use mpsr_proto::{Request, Response};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One cluster at a time: the machine has few cores and the tests time requeues.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn cluster(opts: Options) -> Option<(std::sync::MutexGuard<'static, ()>, Cluster)> {
+    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    if std::env::var("MPSR_SKIP_SLURM_TESTS").is_ok_and(|v| v == "1") {
+        eprintln!("SKIPPED: MPSR_SKIP_SLURM_TESTS=1 (real-Slurm tests not run)");
+        return None;
+    }
+    let c = Cluster::start(opts).expect("starting the local Slurm cluster");
+    Some((guard, c))
+}
+
+const SHORT: Duration = Duration::from_secs(30);
+const LONG: Duration = Duration::from_secs(90);
+
+/// A job script: a simulated MPS client that runs long on the first run and briefly after a
+/// requeue, so a requeued job completes.
+fn client_script(first_s: u32, again_s: u32) -> String {
+    format!(
+        "echo \"run ${{SLURM_RESTART_COUNT:-0}} gpu $MPSR_GPU pipe $CUDA_MPS_PIPE_DIRECTORY\"\n\
+         if [ \"${{SLURM_RESTART_COUNT:-0}}\" -gt 0 ]; then s={again_s}; else s={first_s}; fi\n\
+         exec mpsr-simclient --seconds $s"
+    )
+}
+
+fn not_drained(c: &Cluster, node: &str) -> bool {
+    !c.node(node)
+        .get("State")
+        .is_some_and(|s| s.contains("DRAIN"))
+}
+
+/// Case 1: three batch jobs share GPU 0, one uses GPU 1; an Xid 31 on GPU 0 requeues exactly the
+/// three, they complete on their second run; the GPU-1 job runs on untouched; nothing is drained.
+#[test]
+fn xid31_requeues_the_jobs_on_that_gpu_only() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let mut gpu0 = Vec::new();
+    for _ in 0..3 {
+        let id = c
+            .sbatch(
+                "nobody",
+                "-w n1 --gres=shard:1 --mps-resilient=requeue",
+                &client_script(120, 1),
+            )
+            .unwrap();
+        gpu0.push(id);
+    }
+    // GPU 0 has one shard left: a job asking for 4 lands on GPU 1.
+    let other = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:4 --mps-resilient=requeue",
+            &client_script(25, 1),
+        )
+        .unwrap();
+    for &id in gpu0.iter().chain([&other]) {
+        c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    }
+    for &id in &gpu0 {
+        assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0], "job {id}");
+    }
+    assert_eq!(c.wait_registered("n1", other, 1).unwrap(), vec![1]);
+    wait_for("4 simulated clients attached", SHORT, || {
+        (c.clients("n1", 0).len() == 3 && c.clients("n1", 1).len() == 1).then_some(())
+    })
+    .unwrap();
+    let gpu1_client = c.clients("n1", 1)[0];
+
+    let killed = c.inject("n1", 0, 31).unwrap();
+    assert_eq!(killed.len(), 3, "stock MPS: every busy client on gpu0 dies");
+    for &id in &gpu0 {
+        wait_for(&format!("job {id} requeued"), LONG, || {
+            (c.job_field(id, "Restarts") == "1").then_some(())
+        })
+        .unwrap();
+    }
+    // The GPU-1 job was never touched: same client, still attached, not requeued.
+    assert_eq!(c.clients("n1", 1), vec![gpu1_client]);
+    assert_eq!(c.job_field(other, "Restarts"), "0");
+    assert_eq!(c.job_field(other, "JobState"), "RUNNING");
+    assert!(not_drained(&c, "n1"), "{:?}", c.node("n1"));
+
+    for &id in &gpu0 {
+        c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+        assert!(
+            c.job_output(id).contains("run 1 gpu 0"),
+            "{}",
+            c.job_output(id)
+        );
+    }
+    c.wait_job_state(other, &["COMPLETED"], LONG).unwrap();
+    assert_eq!(c.job_field(other, "Restarts"), "0");
+    assert_eq!(c.job_field(other, "ExitCode"), "0:0");
+    assert!(not_drained(&c, "n1"));
+    // The epilog wrote each job's fault report.
+    let rep = std::fs::read_to_string(c.dir.join(format!("n1/reports/{}.txt", gpu0[0])))
+        .unwrap_or_default();
+    assert!(rep.contains("app_memory"), "report: {rep}");
+    let rep =
+        std::fs::read_to_string(c.dir.join(format!("n1/reports/{other}.txt"))).unwrap_or_default();
+    assert!(rep.contains("hit by 0 fault"), "report: {rep}");
+}
+
+/// Case 2: an srun job (Slurm cannot requeue it) in resume mode: the hit task restarts in place
+/// under mpsr-run once the GPU's MPS server is ACTIVE again, and the step completes.
+#[test]
+fn resume_restarts_an_srun_task_in_place() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let out = c.jobs().join("srun-resume.out");
+    let mut srun = c
+        .spawn_as(
+            "nobody",
+            "srun -u -w n1 --gres=shard:1 --mps-resilient=resume mpsr-run -- sh -c 'echo attempt $MPSR_RESTARTS; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'",
+            &out,
+        )
+        .unwrap();
+    let job = wait_for("srun job registered", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        s.tasks.first().map(|t| t.job_id)
+    })
+    .unwrap();
+    wait_for("client attached", SHORT, || {
+        (c.clients("n1", 0).len() == 1).then_some(())
+    })
+    .unwrap();
+    let t0 = Instant::now();
+    c.inject("n1", 0, 43).unwrap();
+    let restarted = wait_for("task restarted in place", LONG, || {
+        std::fs::read_to_string(&out)
+            .ok()?
+            .contains("attempt 1")
+            .then(|| t0.elapsed())
+    })
+    .unwrap();
+    println!(
+        "resume: fault -> task running again in place: {} ms",
+        restarted.as_millis()
+    );
+    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(status.success(), "srun failed: {text}");
+    assert!(text.contains("restarting in place (1/3)"), "{text}");
+    assert_eq!(c.job_field(job, "JobState"), "COMPLETED");
+    assert_eq!(c.job_field(job, "Restarts"), "0");
+}
+
+/// Case 3: Xid 79 (device lost) drains the node with an `mpsr:` reason and requeues the batch
+/// job; the health check resumes the node only after the agent reports the GPU healthy, and never
+/// resumes a node someone else drained.
+#[test]
+fn device_lost_drains_and_healthcheck_resumes_after_recovery() {
+    let opts = Options {
+        health_interval_s: 2,
+        ..Options::default()
+    };
+    let Some((_g, c)) = cluster(opts) else {
+        return;
+    };
+    c.cmd("scontrol update NodeName=n2 State=DRAIN Reason='admin: maintenance'")
+        .unwrap();
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    c.wait_registered("n1", id, 1).unwrap();
+    c.inject("n1", 0, 79).unwrap();
+    let reason = wait_for("n1 drained by the agent", SHORT, || {
+        let n = c.node("n1");
+        n.get("State")?
+            .contains("DRAIN")
+            .then(|| n.get("Reason").cloned().unwrap_or_default())
+    })
+    .unwrap();
+    assert!(reason.starts_with("mpsr: xid 79"), "{reason}");
+    wait_for("job requeued", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    // Several health-check rounds while the GPU is still lost: the node stays drained.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(!not_drained(&c, "n1"), "resumed while the GPU is lost");
+    // The GPU comes back (a reset); the agent sees it answer and the health check resumes n1.
+    assert!(matches!(
+        c.agent_call("n1", &Request::SimRecover { gpu: 0 }).unwrap(),
+        Response::Ok
+    ));
+    wait_for("n1 resumed by the health check", SHORT, || {
+        not_drained(&c, "n1").then_some(())
+    })
+    .unwrap();
+    // The requeued job comes back on n1 and completes.
+    c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    // n2 was drained by someone else: left alone.
+    let n2 = c.node("n2");
+    assert!(n2["State"].contains("DRAIN"), "{n2:?}");
+    assert!(n2["Reason"].starts_with("admin: maintenance"), "{n2:?}");
+}
+
+/// Case 4: a job without --mps-resilient is left alone: no MPS context, not registered, not
+/// requeued by a fault on its GPU.
+#[test]
+fn job_without_the_flag_is_left_alone() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1",
+            "echo pipe=${CUDA_MPS_PIPE_DIRECTORY:-none} mode=${MPSR_MODE:-none}; sleep 8",
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let s = c.agent_status("n1").unwrap();
+    assert!(s.tasks.iter().all(|t| t.job_id != id), "{s:?}");
+    c.inject("n1", 0, 31).unwrap();
+    c.wait_job_state(id, &["COMPLETED"], SHORT).unwrap();
+    assert_eq!(c.job_field(id, "Restarts"), "0");
+    assert!(
+        c.job_output(id).contains("pipe=none mode=none"),
+        "{}",
+        c.job_output(id)
+    );
+}
+
+fn assert_fails(out: &std::process::Output, needle: &str) {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {text}"
+    );
+    assert!(text.contains(needle), "expected '{needle}' in: {text}");
+}
+
+/// Case 5: bad input never crashes, hangs or drains anything, and says what is wrong.
+#[test]
+fn bad_input_is_refused_clearly() {
+    let Some((_g, mut c)) = cluster(Options::default()) else {
+        return;
+    };
+    // Bad option values: srun and sbatch refuse them before anything runs.
+    for (args, needle) in [
+        ("--mps-resilient=sometimes", "--mps-resilient=sometimes"),
+        ("--mps-resilient --mps-threads=0", "--mps-threads=0"),
+        ("--mps-resilient --mps-mem=lots", "--mps-mem=lots"),
+        ("--mps-threads=50", "need --mps-resilient"),
+    ] {
+        let out = c
+            .cmd_as("nobody", &format!("srun -w n1 --gres=shard:1 {args} true"))
+            .unwrap();
+        assert_fails(&out, needle);
+    }
+    let out = c
+        .cmd_as("nobody", "sbatch --wrap true --mps-resilient=bogus")
+        .unwrap();
+    assert_fails(&out, "--mps-resilient=bogus");
+
+    // Unknown plugstack.conf key: named in the error, nothing runs.
+    c.write_plugstack(&["bogus_key=1".into()]).unwrap();
+    let out = c.cmd_as("nobody", "srun -w n1 true").unwrap();
+    assert_fails(&out, "unknown plugstack.conf key 'bogus_key'");
+    c.write_plugstack(&[]).unwrap();
+
+    // Agent down, required_agent=no: the job runs unprotected, with a warning on its stderr.
+    c.stop_agent("n1", false);
+    let t = Instant::now();
+    let out = c
+        .cmd_as(
+            "nobody",
+            "srun -w n1 --gres=shard:1 --mps-resilient echo ran-unprotected",
+        )
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("ran-unprotected"), "{text}");
+    assert!(text.contains("WITHOUT GPU fault protection"), "{text}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+    // required_agent=yes: the job fails in task_init, saying why; the node is not drained.
+    c.write_plugstack(&["required_agent=yes".into()]).unwrap();
+    let out = c
+        .cmd_as(
+            "nobody",
+            "srun -w n1 --gres=shard:1 --mps-resilient echo should-not-run",
+        )
+        .unwrap();
+    assert_fails(&out, "required_agent=yes");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("should-not-run"));
+    assert!(not_drained(&c, "n1"));
+    c.write_plugstack(&[]).unwrap();
+    c.start_agent("n1").unwrap();
+
+    // Agent killed mid-job and restarted: the registration survives and a fault still requeues.
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    c.wait_registered("n1", id, 1).unwrap();
+    c.stop_agent("n1", true);
+    c.start_agent("n1").unwrap();
+    assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
+
+    // Another user cannot register into, read or requeue this job.
+    let own_pid_register = format!(
+        "mpsrctl --socket {} register --job {id} --pid $$ --gpus 0",
+        c.agent_socket("n1").display()
+    );
+    let out = c.cmd_as("daemon", &own_pid_register).unwrap();
+    assert_fails(&out, "belongs to another user");
+    let out = c
+        .cmd_as(
+            "daemon",
+            &format!(
+                "mpsrctl --socket {} report {id}",
+                c.agent_socket("n1").display()
+            ),
+        )
+        .unwrap();
+    assert_fails(&out, "PermissionDenied");
+    let out = c
+        .cmd_as(
+            "daemon",
+            &format!(
+                "mpsrctl --socket {} sim inject --gpu 0 --xid 31",
+                c.agent_socket("n1").display()
+            ),
+        )
+        .unwrap();
+    assert_fails(&out, "PermissionDenied");
+    assert_eq!(c.job_field(id, "Restarts"), "0");
+
+    // The restarted agent still knows the job: a real fault requeues it.
+    c.inject("n1", 0, 31).unwrap();
+    wait_for("job requeued after agent restart", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    assert!(not_drained(&c, "n1"));
+}
+
+/// A job spanning two nodes: a fault on one node's GPU requeues the whole job.
+#[test]
+fn multi_node_job_is_requeued_as_a_whole() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let id = c
+        .sbatch(
+            "nobody",
+            "-N2 --ntasks-per-node=1 --gres=shard:1 --mps-resilient",
+            "if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then s=1; else s=120; fi\nsrun mpsr-simclient --seconds $s",
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    // The batch script on the first node, and one srun task on each node.
+    c.wait_registered("n1", id, 2).unwrap();
+    c.wait_registered("n2", id, 1).unwrap();
+    c.inject("n2", 0, 43).unwrap();
+    wait_for("job requeued", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+}
+
+/// Case 6: the README's demo runs through this same real Slurm and reports success.
+#[test]
+fn the_demo_runs_through_real_slurm() {
+    let Some((_g, c)) = cluster(Options {
+        nodes: vec!["warmup".into()],
+        ..Options::default()
+    }) else {
+        return;
+    };
+    drop(c); // the demo starts its own cluster; this one only proved the host can run one
+    let demo = mpsr_e2e::build_dir().unwrap().join("mpsr-demo");
+    let out = std::process::Command::new(&demo).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("DEMO OK"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("SIMULATED"),
+        "the demo must say its GPUs are simulated"
+    );
+}
