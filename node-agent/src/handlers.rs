@@ -217,6 +217,19 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 Err(e) => Response::error(ErrorCode::Unsupported, e.to_string()),
             }
         }
+        Request::TerminateClient { gpu, pid } => {
+            if !trusted {
+                return denied("terminating MPS clients is for root only");
+            }
+            if gpu as usize >= agent.backend.gpus().len() {
+                return Response::error(ErrorCode::NotFound, format!("no GPU {gpu}"));
+            }
+            tracing::info!(gpu, pid, peer_uid = peer.uid, "terminate_client requested");
+            match agent.backend.terminate_client(gpu, pid) {
+                Ok(()) => Response::Ok,
+                Err(e) => Response::error(ErrorCode::Internal, e.to_string()),
+            }
+        }
         Request::ClearGpu { gpu } => {
             if !trusted {
                 return denied("clearing a GPU is for root only");

@@ -139,6 +139,10 @@ impl MpsDaemon {
     pub fn control_log(&self) -> PathBuf {
         self.log_dir.join("control.log")
     }
+
+    pub fn server_log(&self) -> PathBuf {
+        self.log_dir.join("server.log")
+    }
 }
 
 pub fn parse_pids(out: &str) -> Vec<u32> {
@@ -163,7 +167,9 @@ pub fn parse_status(out: &str) -> Option<ServerState> {
 /// What a control.log line says about the server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlLogEvent {
-    /// `Server encountered a fatal exception` / a client pushed to pending because not ready.
+    /// The server is handling a fatal GPU error (server.log, measured on an H200 with driver 580:
+    /// `Server is handling a fatal GPU error.`), or an older driver's `fatal exception` line. Not
+    /// "Server is not ready": that is also logged when the first client starts a server.
     Fault,
     /// `NEW SERVER <pid>: Ready`.
     Ready(u32),
@@ -179,7 +185,7 @@ pub enum ControlLogEvent {
 
 pub fn parse_control_log(line: &str) -> Option<ControlLogEvent> {
     let msg = line.split_once(']').map(|(_, m)| m.trim()).unwrap_or(line);
-    if msg.contains("fatal exception") || msg.contains("Server is not ready") {
+    if msg.contains("fatal exception") || msg.contains("handling a fatal GPU error") {
         return Some(ControlLogEvent::Fault);
     }
     if let Some(r) = msg.strip_prefix("NEW SERVER ") {
@@ -308,9 +314,21 @@ mod tests {
             parse_control_log("[2026-11-30 10:00:00.000 Control 12] NEW SERVER 497: Ready"),
             Some(ControlLogEvent::Ready(497))
         );
+        // Logged when the first client starts a server too: not a fault.
         assert_eq!(
             parse_control_log("[2026-11-30 10:00:00.000 Control 12] NEW CLIENT 494 from user 0: Server is not ready, push client to pending list"),
+            None
+        );
+        // server.log lines measured on the H200 (driver 580.159.04).
+        assert_eq!(
+            parse_control_log(
+                "[2026-12-03 07:29:30.578 Server   558] Server is handling a fatal GPU error."
+            ),
             Some(ControlLogEvent::Fault)
+        );
+        assert_eq!(
+            parse_control_log("[2026-12-03 07:29:30.578 Server   558] Client {PID: 555, Context: 1} encountered a fatal GPU error."),
+            None
         );
         assert_eq!(
             parse_control_log(

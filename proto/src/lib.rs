@@ -148,6 +148,11 @@ pub enum Request {
     ClearGpu {
         gpu: u32,
     },
+    /// End one MPS client of a GPU's server (`terminate_client`; trusted callers only).
+    TerminateClient {
+        gpu: u32,
+        pid: u32,
+    },
 }
 
 /// MPS server state as the agent sees it.

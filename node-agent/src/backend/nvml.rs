@@ -236,6 +236,7 @@ impl GpuBackend for NvmlBackend {
                 })?;
             if self.mps_logs {
                 crate::intake::spawn_control_log_tail(d.gpu, d.control_log(), tx.clone());
+                crate::intake::spawn_control_log_tail(d.gpu, d.server_log(), tx.clone());
             }
         }
         let nvml = self.nvml;

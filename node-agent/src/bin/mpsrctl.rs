@@ -65,6 +65,13 @@ enum Cmd {
     },
     /// Mark a GPU healthy after an operator fixed it.
     ClearGpu { gpu: u32 },
+    /// End one MPS client of a GPU's server (terminate_client); the others keep running.
+    Terminate {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long)]
+        pid: u32,
+    },
     /// A job starts on this node (the prolog calls this; root only).
     JobStart {
         job_id: u32,
@@ -149,6 +156,10 @@ fn main() -> std::process::ExitCode {
             restart_count: *restart_count,
         },
         Cmd::JobEnd { job_id } => Request::JobEnd { job_id: *job_id },
+        Cmd::Terminate { gpu, pid } => Request::TerminateClient {
+            gpu: *gpu,
+            pid: *pid,
+        },
         Cmd::Sim {
             cmd: SimCmd::Inject { gpu, xid, culprit },
         } => Request::SimInject {
