@@ -100,8 +100,7 @@ fn kmsg_loop(
 }
 
 /// Tails one of a GPU's MPS logs (control.log, server.log) from its current end; fault lines become
-/// signals without an Xid (they
-/// confirm a fault; they do not start one).
+/// signals without an Xid (they confirm a fault; they do not start one).
 pub fn spawn_control_log_tail(gpu: u32, path: PathBuf, tx: Sender<Signal>) {
     let _ = std::thread::Builder::new()
         .name(format!("mpslog{gpu}"))
