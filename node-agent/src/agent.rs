@@ -94,6 +94,7 @@ pub struct Agent {
     slurm_wake: Condvar,
     signals: Mutex<Option<Sender<Signal>>>,
     pub started: Instant,
+    pub keepers: Arc<crate::keeper::Keepers>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +159,15 @@ impl Agent {
         }
         let window = Duration::from_millis(cfg.faults.correlation_window_ms);
         let slurm = Scontrol::new(cfg.slurm.clone());
+        let keepers = Arc::new(crate::keeper::Keepers::new(
+            &cfg,
+            backend
+                .gpus()
+                .iter()
+                .map(|g| (g.index, g.uuid.clone()))
+                .collect(),
+            backend.simulated(),
+        ));
         let agent = Arc::new(Agent {
             node,
             backend,
@@ -178,6 +188,7 @@ impl Agent {
             slurm_wake: Condvar::new(),
             signals: Mutex::new(None),
             started: Instant::now(),
+            keepers,
             cfg,
         });
         // Write once now so a recovered-and-reconciled state is durable before we serve.
@@ -280,6 +291,29 @@ impl Agent {
         spawn("slurm", Box::new(move || a.slurm_loop()))?;
         let a = self.clone();
         spawn("health", Box::new(move || a.health_loop()))?;
+        let a = self.clone();
+        spawn(
+            "keepers",
+            Box::new(move || loop {
+                // Start missing keepers (first start, or one that died); cheap pings otherwise.
+                let lost: BTreeSet<u32> = a
+                    .state()
+                    .d
+                    .unhealthy
+                    .iter()
+                    .filter(|(_, (c, _))| *c == FaultClass::DeviceLost)
+                    .map(|(g, _)| *g)
+                    .collect();
+                for g in a.backend.gpus() {
+                    if !lost.contains(&g.index) {
+                        if let Err(e) = a.keepers.ensure(g.index) {
+                            tracing::warn!(gpu = g.index, error = %e, "state keeper not available");
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_secs(5));
+            }),
+        )?;
         Ok(())
     }
 
@@ -654,6 +688,8 @@ impl Agent {
                     self.state().d.unhealthy.remove(&gpu);
                     tracing::info!(gpu, "GPU answers again; marked healthy");
                     self.mark_dirty();
+                    // Its memory did not survive the reset: a fresh keeper restores snapshots.
+                    self.keepers.restart(gpu);
                 }
             }
         }

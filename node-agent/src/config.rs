@@ -50,6 +50,7 @@ pub struct Config {
     pub mps: MpsConfig,
     pub faults: FaultConfig,
     pub sim: SimConfig,
+    pub keeper: KeeperConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -132,6 +133,7 @@ impl Default for Config {
             mps: MpsConfig::default(),
             faults: FaultConfig::default(),
             sim: SimConfig::default(),
+            keeper: KeeperConfig::default(),
         }
     }
 }
@@ -182,6 +184,36 @@ impl Default for FaultConfig {
             history: 1000,
             xid_classes: BTreeMap::new(),
             policy: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KeeperConfig {
+    /// Run a state keeper per GPU (kept GPU state for `mpsr_state_attach`).
+    pub enabled: bool,
+    /// The mpsr-keeper binary; empty = next to mpsr-agent.
+    pub binary: PathBuf,
+    /// Most bytes one job may keep per GPU, e.g. "64G".
+    pub max_bytes_per_job: String,
+    /// How long a requeued job's allocations are kept for it to come back (seconds).
+    pub keep_after_requeue_s: u64,
+    /// Host snapshots of kept allocations (node-local).
+    pub snapshot_dir: PathBuf,
+    /// Snapshot every allocation this often (seconds); 0 = only when the application asks.
+    pub snapshot_interval_s: u64,
+}
+
+impl Default for KeeperConfig {
+    fn default() -> Self {
+        KeeperConfig {
+            enabled: true,
+            binary: PathBuf::new(),
+            max_bytes_per_job: "64G".into(),
+            keep_after_requeue_s: 600,
+            snapshot_dir: "/var/lib/mps-resilient/snapshots".into(),
+            snapshot_interval_s: 0,
         }
     }
 }
@@ -268,6 +300,21 @@ impl Config {
             return Err(bad(
                 "sim.gpus",
                 format!("{} is not in 1..=64", self.sim.gpus),
+            ));
+        }
+        if parse_size(&self.keeper.max_bytes_per_job).is_none() {
+            return Err(bad(
+                "keeper.max_bytes_per_job",
+                format!("'{}' is not a size like 64G", self.keeper.max_bytes_per_job),
+            ));
+        }
+        if !self.keeper.snapshot_dir.is_absolute() {
+            return Err(bad(
+                "keeper.snapshot_dir",
+                format!(
+                    "{} is not an absolute path",
+                    self.keeper.snapshot_dir.display()
+                ),
             ));
         }
         for rel in [&self.socket, &self.state_dir, &self.run_dir] {

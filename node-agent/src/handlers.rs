@@ -8,6 +8,7 @@ use mpsr_proto::{
     DecisionRecord, ErrorCode, GpuContext, GpuStatus, HealthReply, JobReport, Registration,
     Request, Response, StatusReply,
 };
+use std::time::Duration;
 
 fn denied(msg: impl Into<String>) -> Response {
     Response::error(ErrorCode::PermissionDenied, msg)
@@ -101,6 +102,15 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             }
             drop(st);
             agent.mark_dirty();
+            // A requeued job may come back here: its kept GPU state waits for it a while.
+            let requeued = rep.actions.iter().any(|a| a.contains("requeued job"));
+            let keep = if requeued {
+                agent.keepers.keep_after_requeue
+            } else {
+                Duration::ZERO
+            };
+            let keepers = agent.keepers.clone();
+            std::thread::spawn(move || keepers.job_end(job_id, keep));
             Response::JobReport(rep)
         }
         Request::Status => status(agent, peer, trusted),
@@ -196,6 +206,27 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             Response::Resume { verdict, reason }
         }
         Request::Health => health(agent),
+        Request::TaskOf { pid } => {
+            if !trusted {
+                return denied("task lookup is for root (the state keeper) only");
+            }
+            let ancestry = procfs::ancestry(pid);
+            let found = agent
+                .state()
+                .d
+                .registry
+                .tasks()
+                .find(|t| ancestry.contains(&t.pid))
+                .filter(|t| procfs::alive(t.pid, t.start_ticks))
+                .map(|t| t.status());
+            match found {
+                Some(t) => Response::TaskOf(t),
+                None => Response::error(
+                    ErrorCode::NotFound,
+                    format!("process {pid} is not (under) a registered task"),
+                ),
+            }
+        }
         Request::SimInject { gpu, xid, culprit } => {
             if !trusted {
                 return denied("fault injection is for root only");
@@ -262,6 +293,10 @@ fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
             pipe_dir: info.pipe_dir.clone(),
             log_dir: info.log_dir.clone(),
             state: agent.backend.server_state(*g),
+            keeper_socket: agent
+                .keepers
+                .enabled()
+                .then(|| agent.keepers.socket(*g).display().to_string()),
         });
     }
     Response::GpuContexts { contexts: out }

@@ -228,6 +228,7 @@ pub fn run_bounded(
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
     let binary = format!("{:?}", c.get_program());
+    crate::spawn::prepare(&mut c, false);
     let mut child = c
         .spawn()
         .map_err(|source| MpsError::Spawn { binary, source })?;

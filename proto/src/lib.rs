@@ -7,7 +7,11 @@
 //! This crate is deliberately small (serde + libc) so the plugin does not link the agent's dependencies.
 
 mod client;
+pub mod fdpass;
 pub mod frame;
+pub mod keeper;
+mod peer;
+pub use peer::{peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
@@ -133,6 +137,11 @@ pub enum Request {
     },
     /// Node health for the health check.
     Health,
+    /// Which registered task a process belongs to (itself or an ancestor); trusted callers only
+    /// (the state keeper asks it to authorize a process).
+    TaskOf {
+        pid: u32,
+    },
     /// Inject a simulated fault (sim backend only, trusted callers only).
     SimInject {
         gpu: u32,
@@ -177,6 +186,9 @@ pub struct GpuContext {
     pub pipe_dir: String,
     pub log_dir: String,
     pub state: ServerState,
+    /// The GPU's state keeper socket, when the keeper is enabled.
+    #[serde(default)]
+    pub keeper_socket: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -301,6 +313,7 @@ pub enum Response {
         fault_id_hint: u64,
         killed: Vec<u32>,
     },
+    TaskOf(TaskStatus),
     Error {
         code: ErrorCode,
         message: String,

@@ -209,6 +209,9 @@ pub fn task_init_privileged(sp: Spank) {
         ("MPSR_MODE", p.mode.to_string()),
         ("MPSR_SOCKET", p.cfg.agent_socket.display().to_string()),
     ];
+    if let Some(k) = &ctx.keeper_socket {
+        env.push(("MPSR_KEEPER_SOCKET", k.clone()));
+    }
     if let Some(t) = p.threads {
         env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", t.to_string()));
     }

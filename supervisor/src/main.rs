@@ -7,6 +7,7 @@
 //! child's status. Signals are forwarded to the child and stop further restarts.
 
 use mpsr_proto::{Client, Request, Response, ResumeVerdict, BATCH_STEP};
+use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -203,11 +204,20 @@ fn main() -> ExitCode {
     let mut restarts = 0u32;
     loop {
         let started = Instant::now();
-        let mut child = match Command::new(&o.cmd[0])
-            .args(&o.cmd[1..])
-            .env("MPSR_RESTARTS", restarts.to_string())
-            .spawn()
-        {
+        let mut cmd = Command::new(&o.cmd[0]);
+        cmd.args(&o.cmd[1..])
+            .env("MPSR_RESTARTS", restarts.to_string());
+        // SAFETY: only sigemptyset/sigprocmask (async-signal-safe) between fork and exec. The
+        // forwarded signals are blocked here (sigwait); the application must get them.
+        unsafe {
+            cmd.pre_exec(|| {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);

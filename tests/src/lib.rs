@@ -28,6 +28,8 @@ const BINARIES: &[&str] = &[
     "mpsr-simclient",
     "mpsr-simgpu",
     "mpsr-run",
+    "mpsr-keeper",
+    "mpsr-statetool",
 ];
 const PLUGIN_SO: &str = "libmpsr_spank.so";
 const SCRIPTS: &[&str] = &["mpsr-prolog", "mpsr-epilog", "mpsr-healthcheck"];

@@ -128,7 +128,9 @@ fn resume_restarts_an_srun_task_in_place() {
     let mut srun = c
         .spawn_as(
             "nobody",
-            "srun -u -w n1 --gres=shard:1 --mps-resilient=resume mpsr-run -- sh -c 'echo attempt $MPSR_RESTARTS; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'",
+            // The first attempt keeps its "model" in the GPU's state keeper; the restarted one
+            // finds it there instead of loading it again.
+            "srun -u -w n1 --gres=shard:1 --mps-resilient=resume mpsr-run -- sh -c 'echo attempt $MPSR_RESTARTS; if [ $MPSR_RESTARTS = 0 ]; then mpsr-statetool model 8M --fill 9 || exit 1; else mpsr-statetool model 8M --verify 9 || exit 1; fi; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'",
             &out,
         )
         .unwrap();
@@ -158,6 +160,11 @@ fn resume_restarts_an_srun_task_in_place() {
     let text = std::fs::read_to_string(&out).unwrap();
     assert!(status.success(), "srun failed: {text}");
     assert!(text.contains("restarting in place (1/3)"), "{text}");
+    assert!(text.contains("origin=New"), "{text}");
+    assert!(
+        text.contains("origin=Kept") && text.contains("verified model: every byte is 9"),
+        "the restarted task must find its kept state: {text}"
+    );
     assert_eq!(c.job_field(job, "JobState"), "COMPLETED");
     assert_eq!(c.job_field(job, "Restarts"), "0");
 }

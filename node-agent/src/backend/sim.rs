@@ -9,7 +9,6 @@ use crate::simgpu::{self, SimEvent, SimReply, SimRequest};
 use mpsr_proto::ServerState;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc::Sender;
@@ -86,14 +85,8 @@ impl SimBackend {
         if self.isolation {
             c.arg("--isolation");
         }
-        // SAFETY: setsid in the child before exec, so the daemon outlives the agent (as MPS
-        // control daemons do) and gets no signals meant for the agent's session.
-        unsafe {
-            c.pre_exec(|| {
-                libc::setsid();
-                Ok(())
-            });
-        }
+        // Its own session: the daemon outlives the agent, as MPS control daemons do.
+        crate::spawn::prepare(&mut c, true);
         c.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

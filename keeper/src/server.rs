@@ -1,0 +1,350 @@
+//! The keeper's socket: peer credentials, authorization through the agent's registry, requests,
+//! and the allocation's fd passed back with SCM_RIGHTS.
+
+use crate::memory::{Device, MemError};
+use crate::snapshot::Snapshots;
+use crate::store::{Store, StoreError};
+use mpsr_proto::keeper::{valid_name, KeeperRequest, KeeperResponse};
+use mpsr_proto::{fdpass, peer_cred, Client, ErrorCode, PeerCred, Request, Response};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub struct Keeper {
+    pub gpu: u32,
+    pub dev: Box<dyn Device>,
+    pub snaps: Snapshots,
+    pub store: Mutex<Store>,
+    pub agent_socket: PathBuf,
+}
+
+fn err(code: ErrorCode, message: impl Into<String>) -> KeeperResponse {
+    KeeperResponse::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+/// CUDA errors after which this process's context is unusable: exit so the agent starts a fresh
+/// keeper (the memory is gone anyway; snapshots bring it back).
+fn fatal(e: &MemError) -> bool {
+    [
+        "ILLEGAL_ADDRESS",
+        "ECC_UNCORRECTABLE",
+        "LAUNCH_FAILED",
+        "HARDWARE_STACK_ERROR",
+        "DEVICE_UNAVAILABLE",
+        "UNKNOWN",
+    ]
+    .iter()
+    .any(|k| e.0.contains(k))
+}
+
+impl Keeper {
+    pub fn store(&self) -> MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_fatal(&self, e: &MemError) {
+        if fatal(e) {
+            eprintln!("mpsr-keeper gpu{}: unrecoverable GPU error ({e}); exiting so a fresh keeper starts", self.gpu);
+            std::process::exit(3);
+        }
+    }
+
+    /// Which job the peer's process belongs to, according to the agent (never the message).
+    fn authorize(&self, peer: PeerCred) -> Result<(u32, u32), KeeperResponse> {
+        let c = Client::new(&self.agent_socket, Duration::from_secs(2));
+        match c.call(&Request::TaskOf { pid: peer.pid }) {
+            Ok(Response::TaskOf(t)) if t.uid != peer.uid => Err(err(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "process {} (uid {}) is not in a job of its user",
+                    peer.pid, peer.uid
+                ),
+            )),
+            Ok(Response::TaskOf(t)) if !t.gpus.contains(&self.gpu) => Err(err(
+                ErrorCode::PermissionDenied,
+                format!("job {} does not use gpu{}", t.job_id, self.gpu),
+            )),
+            Ok(Response::TaskOf(t)) => Ok((t.job_id, t.uid)),
+            Ok(Response::Error { message, .. }) => Err(err(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "process {} is not part of a registered job: {message}",
+                    peer.pid
+                ),
+            )),
+            Ok(other) => Err(err(
+                ErrorCode::Internal,
+                format!("agent answered {other:?}"),
+            )),
+            Err(e) => Err(err(
+                ErrorCode::Internal,
+                format!("cannot verify the caller with the node agent: {e}"),
+            )),
+        }
+    }
+
+    fn store_error(&self, e: StoreError) -> KeeperResponse {
+        match e {
+            StoreError::Mem(m) => {
+                self.check_fatal(&m);
+                err(ErrorCode::Internal, format!("GPU memory: {m}"))
+            }
+            StoreError::NotFound(_) => err(ErrorCode::NotFound, e.to_string()),
+            StoreError::Quota { .. } | StoreError::SizeMismatch { .. } => {
+                err(ErrorCode::BadRequest, e.to_string())
+            }
+        }
+    }
+
+    /// One request; `Some(fd)` goes out after the reply.
+    fn handle(
+        &self,
+        peer: PeerCred,
+        req: KeeperRequest,
+    ) -> (KeeperResponse, Option<std::os::fd::OwnedFd>) {
+        let user_op = |k: &Self| k.authorize(peer);
+        match req {
+            KeeperRequest::Ping => (
+                KeeperResponse::Pong {
+                    gpu: self.gpu,
+                    kind: self.dev.kind(),
+                    pid: std::process::id(),
+                },
+                None,
+            ),
+            KeeperRequest::Stats => {
+                if peer.uid != 0 {
+                    return (err(ErrorCode::PermissionDenied, "stats are for root"), None);
+                }
+                let s = self.store();
+                (
+                    KeeperResponse::Stats {
+                        allocs: s.list(),
+                        total_bytes: s.total_bytes(),
+                    },
+                    None,
+                )
+            }
+            KeeperRequest::JobEnd { job_id, keep_for_s } => {
+                if peer.uid != 0 {
+                    return (
+                        err(
+                            ErrorCode::PermissionDenied,
+                            "job end is for the agent (root)",
+                        ),
+                        None,
+                    );
+                }
+                let n = self
+                    .store()
+                    .job_end(job_id, Duration::from_secs(keep_for_s));
+                if keep_for_s == 0 {
+                    self.snaps.remove_job(job_id);
+                }
+                eprintln!("mpsr-keeper gpu{}: job {job_id} ended; {n} allocation(s) freed in {keep_for_s} s", self.gpu);
+                (KeeperResponse::Ok, None)
+            }
+            KeeperRequest::Attach { name, bytes } => {
+                if !valid_name(&name) {
+                    return (
+                        err(
+                            ErrorCode::BadRequest,
+                            format!("invalid name '{name}' (letters, digits, . _ -; at most 64)"),
+                        ),
+                        None,
+                    );
+                }
+                let (job, uid) = match user_op(self) {
+                    Ok(j) => j,
+                    Err(r) => return (r, None),
+                };
+                let mut s = self.store();
+                let (bytes, origin, fd) =
+                    match s.attach(self.dev.as_ref(), &self.snaps, job, uid, &name, bytes) {
+                        Ok((a, origin)) => (a.mem.bytes(), origin, a.mem.export_fd()),
+                        Err(e) => return (self.store_error(e), None),
+                    };
+                match fd {
+                    Ok(fd) => (
+                        KeeperResponse::Attached {
+                            job_id: job,
+                            bytes,
+                            origin,
+                            kind: self.dev.kind(),
+                        },
+                        Some(fd),
+                    ),
+                    Err(e) => {
+                        self.check_fatal(&e);
+                        (err(ErrorCode::Internal, format!("export: {e}")), None)
+                    }
+                }
+            }
+            KeeperRequest::Detach { name } => match user_op(self) {
+                Ok((job, _)) if self.store().get(job, &name).is_some() => {
+                    (KeeperResponse::Ok, None)
+                }
+                Ok(_) => (
+                    err(
+                        ErrorCode::NotFound,
+                        format!("no allocation '{name}' for this job"),
+                    ),
+                    None,
+                ),
+                Err(r) => (r, None),
+            },
+            KeeperRequest::Release { name } => match user_op(self) {
+                Ok((job, _)) => match self.store().release(job, &name) {
+                    Ok(()) => {
+                        self.snaps.remove(job, &name);
+                        (KeeperResponse::Ok, None)
+                    }
+                    Err(e) => (self.store_error(e), None),
+                },
+                Err(r) => (r, None),
+            },
+            KeeperRequest::Checkpoint { name } => {
+                let (job, _) = match user_op(self) {
+                    Ok(j) => j,
+                    Err(r) => return (r, None),
+                };
+                let t = Instant::now();
+                let s = self.store();
+                let names = match name {
+                    Some(n) if s.get(job, &n).is_some() => vec![n],
+                    Some(n) => {
+                        return (
+                            err(
+                                ErrorCode::NotFound,
+                                format!("no allocation '{n}' for this job"),
+                            ),
+                            None,
+                        )
+                    }
+                    None => s.names(job),
+                };
+                let mut files = Vec::new();
+                let mut total = 0;
+                for n in names {
+                    let Some(a) = s.get(job, &n) else { continue };
+                    match self.snaps.save(job, &n, a.mem.as_ref()) {
+                        Ok((p, b)) => {
+                            files.push(p.display().to_string());
+                            total += b;
+                        }
+                        Err(e) => {
+                            return (
+                                err(ErrorCode::Internal, format!("checkpoint '{n}': {e}")),
+                                None,
+                            )
+                        }
+                    }
+                }
+                (
+                    KeeperResponse::Checkpointed {
+                        files,
+                        bytes: total,
+                        ms: t.elapsed().as_millis() as u64,
+                    },
+                    None,
+                )
+            }
+        }
+    }
+
+    /// Snapshots every allocation (the periodic schedule).
+    pub fn checkpoint_all(&self) {
+        let s = self.store();
+        for k in s.list() {
+            if let Some(a) = s.get(k.job_id, &k.name) {
+                if let Err(e) = self.snaps.save(k.job_id, &k.name, a.mem.as_ref()) {
+                    eprintln!(
+                        "mpsr-keeper gpu{}: scheduled snapshot of job {} '{}': {e}",
+                        self.gpu, k.job_id, k.name
+                    );
+                }
+            }
+        }
+    }
+
+    /// Frees allocations whose job ended long enough ago, with their snapshots.
+    pub fn sweep(&self) {
+        let freed = self.store().sweep(Instant::now());
+        for (job, name) in freed {
+            self.snaps.remove(job, &name);
+            eprintln!(
+                "mpsr-keeper gpu{}: freed job {job} '{name}' (kept time over)",
+                self.gpu
+            );
+        }
+    }
+}
+
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("another keeper serves {}", path.display()),
+        ));
+    }
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path)?;
+    // Any user's job may ask; each request is authorized from SO_PEERCRED.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
+}
+
+pub fn serve(k: Arc<Keeper>, l: UnixListener) {
+    for s in l.incoming().flatten() {
+        let k = k.clone();
+        let _ = std::thread::Builder::new()
+            .name("keeper-conn".into())
+            .spawn(move || handle_conn(&k, s));
+    }
+}
+
+fn handle_conn(k: &Keeper, mut s: UnixStream) {
+    let Ok(peer) = peer_cred(&s) else { return };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(30)));
+    loop {
+        let body = match mpsr_proto::frame::read_body(&mut s) {
+            Ok(b) => b,
+            Err(mpsr_proto::FrameError::TooLarge(n)) => {
+                let _ = mpsr_proto::write_frame(
+                    &mut s,
+                    &err(
+                        ErrorCode::BadRequest,
+                        format!("frame of {n} bytes too large"),
+                    ),
+                );
+                return;
+            }
+            Err(_) => return,
+        };
+        let (resp, fd) = match serde_json::from_slice::<KeeperRequest>(&body) {
+            Ok(req) => k.handle(peer, req),
+            Err(e) => (
+                err(ErrorCode::BadRequest, format!("malformed request: {e}")),
+                None,
+            ),
+        };
+        if mpsr_proto::write_frame(&mut s, &resp).is_err() {
+            return;
+        }
+        if let Some(fd) = fd {
+            if fdpass::send_fd(&s, fd.as_raw_fd()).is_err() {
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,45 @@
+/* mps-resilient kept GPU state: C interface (libmpsr_state.so).
+ *
+ * Inside a job started with --mps-resilient, a process attaches named GPU allocations that the
+ * GPU's state keeper (a process outside MPS) holds for the job. When a GPU fault kills the process
+ * (with MPS, another job's fault does), the allocations survive: the process restarted in place by
+ * mpsr-run, or the requeued job back on the same node within the keep time, attaches them again
+ * with their contents intact (*was_restored == 1) and can skip reloading them. Host snapshots
+ * (mpsr_state_checkpoint) bring them back after faults that lose GPU memory (*was_restored == 2).
+ *
+ * Limits: the memory is device 0 of the process (its GPU's MPS server shows one GPU); the keeper
+ * enforces a per-job byte quota; names are [A-Za-z0-9._-]{1,64}. Kept memory is an ordinary device
+ * pointer for kernels and cudaMemcpy, but not cudaFree-able: use mpsr_state_release.
+ *
+ * Every function returns 0 or a negative MPSR_E* code; mpsr_state_last_error() says why.
+ */
+#ifndef MPSR_STATE_H
+#define MPSR_STATE_H
+#include <stddef.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MPSR_OK 0
+#define MPSR_EINVAL (-1)       /* bad argument */
+#define MPSR_EUNAVAILABLE (-2) /* no keeper: not in a protected job, or the keeper is down */
+#define MPSR_EREFUSED (-3)     /* not your job's, over quota, or exists with a smaller size */
+#define MPSR_ECUDA (-4)        /* importing/mapping the memory failed */
+#define MPSR_EPROTO (-5)       /* unexpected reply */
+
+/* Maps the job's allocation `name` of at least `bytes` (created zeroed on first use).
+ * *was_restored: 0 new, 1 kept in GPU memory from an earlier process, 2 restored from a snapshot. */
+int mpsr_state_attach(const char *name, size_t bytes, void **devptr, int *was_restored);
+/* Unmaps it in this process; the keeper keeps it for the job. */
+int mpsr_state_detach(const char *name);
+/* Copies `name` (NULL: all of the job's allocations) to node-local snapshot files. */
+int mpsr_state_checkpoint(const char *name);
+/* Frees it for good (keeper memory and snapshot). */
+int mpsr_state_release(const char *name);
+/* This thread's last error message. */
+const char *mpsr_state_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

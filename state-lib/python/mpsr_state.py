@@ -1,0 +1,90 @@
+"""mps-resilient kept GPU state for Python (over libmpsr_state.so).
+
+    import mpsr_state, torch
+    ptr, origin = mpsr_state.attach("weights", nbytes)
+    w = mpsr_state.as_torch(ptr, (n,), torch.float16)     # no copy: the tensor IS the kept memory
+    if origin == "new":
+        w.copy_(load_weights_from_disk())                   # only on the first run
+    # after a GPU fault kills this process, its restart finds origin == "kept" and skips the load
+
+CuPy: `mpsr_state.as_cupy(ptr, nbytes, shape, dtype)`. The library is found through MPSR_STATE_LIB
+or the loader path (libmpsr_state.so). The memory stays the job's until it ends (or release());
+do not free it with torch/cupy allocators.
+"""
+
+import ctypes
+import os
+
+ORIGINS = {0: "new", 1: "kept", 2: "snapshot"}
+
+
+class MpsrStateError(RuntimeError):
+    def __init__(self, code, message):
+        super().__init__(f"{message} (code {code})")
+        self.code = code
+
+
+_lib = None
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(os.environ.get("MPSR_STATE_LIB", "libmpsr_state.so"))
+        lib.mpsr_state_attach.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
+                                          ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)]
+        lib.mpsr_state_attach.restype = ctypes.c_int
+        for f in ("mpsr_state_detach", "mpsr_state_checkpoint", "mpsr_state_release"):
+            getattr(lib, f).argtypes = [ctypes.c_char_p]
+            getattr(lib, f).restype = ctypes.c_int
+        lib.mpsr_state_last_error.restype = ctypes.c_char_p
+        _lib = lib
+    return _lib
+
+
+def _check(rc):
+    if rc != 0:
+        raise MpsrStateError(rc, _load().mpsr_state_last_error().decode(errors="replace"))
+
+
+def attach(name, nbytes):
+    """Returns (pointer, origin) with origin "new", "kept" or "snapshot"."""
+    ptr, restored = ctypes.c_void_p(), ctypes.c_int()
+    _check(_load().mpsr_state_attach(name.encode(), nbytes, ctypes.byref(ptr), ctypes.byref(restored)))
+    return ptr.value, ORIGINS.get(restored.value, "new")
+
+
+def detach(name):
+    _check(_load().mpsr_state_detach(name.encode()))
+
+
+def checkpoint(name=None):
+    _check(_load().mpsr_state_checkpoint(name.encode() if name else None))
+
+
+def release(name):
+    _check(_load().mpsr_state_release(name.encode()))
+
+
+class _CudaArray:
+    """Exposes kept memory through __cuda_array_interface__ (no copy)."""
+
+    def __init__(self, ptr, shape, typestr):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+def as_torch(ptr, shape, dtype):
+    import torch
+    typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<V2", torch.int32: "<i4",
+               torch.int64: "<i8", torch.uint8: "|u1", torch.float64: "<f8"}[dtype]
+    if dtype == torch.bfloat16:  # no typestr for bf16: view 16-bit storage
+        t = torch.as_tensor(_CudaArray(ptr, shape, "<i2"), device="cuda")
+        return t.view(torch.bfloat16)
+    return torch.as_tensor(_CudaArray(ptr, shape, typestr), device="cuda")
+
+
+def as_cupy(ptr, nbytes, shape, dtype):
+    import cupy
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
