@@ -225,6 +225,12 @@ fn main() -> ExitCode {
             }
         };
         CHILD.store(child.id() as i32, Ordering::SeqCst);
+        // A stop signal that came before CHILD was set was not forwarded: forward it now.
+        let pending = STOPPING.load(Ordering::SeqCst);
+        if pending != 0 {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as i32, pending) };
+        }
         let status = match child.wait() {
             Ok(s) => s,
             Err(e) => {

@@ -11,188 +11,22 @@ Writes gpu_proof.log and gpu_proof.json (and the agent/MPS logs) to $OUT (defaul
 tests/gpu/results/latest). Exit status 0 only when every case matched.
 """
 
-import json
 import os
-import pathlib
-import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BIN = pathlib.Path(os.environ.get("MPSR_BIN", ROOT / "gpu-bin"))
-OUT = pathlib.Path(os.environ.get("OUT") or ROOT / "tests/gpu/results/latest")
-W = pathlib.Path(os.environ.get("MPSR_WORK", "/tmp/mpsr-gpu"))
-SOCK = W / "run/agent.sock"
-OUT.mkdir(parents=True, exist_ok=True)
-LOG = open(OUT / "gpu_proof.log", "w")
-RESULTS = {"cases": {}, "failures": []}
+import gpucommon as g
+from gpucommon import (Kmsg, Proc, check, ctl, deregister, events, register, say, sh, start_agent, status,
+                       wait_server_ready, gpu0)
 
-
-def say(msg):
-    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    LOG.write(line + "\n")
-    LOG.flush()
-
-
-def check(case, cond, what):
-    RESULTS["cases"].setdefault(case, {"checks": []})["checks"].append({"ok": bool(cond), "what": what})
-    say(f"  {'PASS' if cond else 'FAIL'} [{case}] {what}")
-    if not cond:
-        RESULTS["failures"].append(f"{case}: {what}")
-
-
-def sh(cmd, timeout=60, **kw):
-    return subprocess.run(cmd, shell=isinstance(cmd, str), capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def ctl(*args, timeout=15):
-    return sh([str(BIN / "mpsrctl"), "--socket", str(SOCK), *map(str, args)], timeout=timeout)
-
-
-def ctl_json(*args):
-    r = ctl("--json", *args)
-    try:
-        return json.loads(r.stdout)
-    except json.JSONDecodeError:
-        return {"error": r.stdout + r.stderr}
-
-
-def status():
-    return ctl_json("status")
-
-
-def gpu0():
-    s = status()
-    for k in ("Status",):
-        s = s.get(k, s)
-    return next((g for g in s.get("gpus", []) if g["gpu"] == 0), {})
-
-
-def events():
-    e = ctl_json("events", "--limit", "1000")
-    return e.get("events", []) if isinstance(e, dict) else []
-
-
-class Proc:
-    """A CUDA client of GPU 0's MPS server, its output lines timestamped."""
-
-    def __init__(self, mode, secs, pipe_dir, log_dir):
-        env = dict(os.environ)
-        env.update(
-            CUDA_MPS_PIPE_DIRECTORY=pipe_dir,
-            CUDA_MPS_LOG_DIRECTORY=log_dir,
-            CUDA_VISIBLE_DEVICES="0",  # what the plugin sets: the GPU's server shows it as device 0
-        )
-        self.mode = mode
-        self.p = subprocess.Popen([str(W / "mpsr_probe"), mode, str(secs)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env)
-        self.pid = self.p.pid
-        self.lines = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.time(), line.strip()))
-
-    def wait_line(self, prefix, timeout=30):
-        end = time.time() + timeout
-        while time.time() < end:
-            for t, l in self.lines:
-                if l.startswith(prefix):
-                    return t, l
-            if self.p.poll() is not None and not any(l.startswith(prefix) for _, l in self.lines):
-                time.sleep(0.05)
-                return next(((t, l) for t, l in self.lines if l.startswith(prefix)), None)
-            time.sleep(0.02)
-        return None
-
-    def wait(self, timeout=30):
-        try:
-            return self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def text(self):
-        return " | ".join(l for _, l in self.lines)
-
-
-def register(job, pid):
-    r = ctl("register", "--job", job, "--step", 4294967291, "--pid", pid, "--gpus", 0, "--mode", "requeue", "--batch")
-    return r.returncode == 0
-
-
-def deregister(job, pid, code):
-    ctl("deregister", "--job", job, "--step", 4294967291, "--pid", pid, "--exit-status", code)
-
-
-def start_agent(cfg, log):
-    a = subprocess.Popen([str(BIN / "mpsr-agent"), "--config", str(cfg)], stdout=log, stderr=log)
-    end = time.time() + 60
-    while time.time() < end:
-        if ctl("status").returncode == 0:
-            return a
-        if a.poll() is not None:
-            return None
-        time.sleep(0.1)
-    return a
-
-
-def wait_server_ready(timeout=15):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        st = gpu0().get("state")
-        if st in ("active", "idle"):
-            return time.time() - t0, st
-        time.sleep(0.05)
-    return None, gpu0().get("state")
-
-
-class Kmsg:
-    """Reads NVRM Xid records from /dev/kmsg (kernel timestamps, monotonic microseconds)."""
-
-    def __init__(self):
-        self.records = []
-        try:
-            self.f = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
-            os.lseek(self.f, 0, os.SEEK_END)
-            threading.Thread(target=self._read, daemon=True).start()
-            self.ok = True
-        except OSError as e:
-            say(f"/dev/kmsg not readable: {e}")
-            self.ok = False
-
-    def _read(self):
-        while True:
-            try:
-                rec = os.read(self.f, 8192).decode(errors="replace")
-            except BlockingIOError:
-                time.sleep(0.005)
-                continue
-            except OSError:
-                time.sleep(0.005)
-                continue
-            head, _, msg = rec.partition(";")
-            parts = head.split(",")
-            if len(parts) >= 3 and "NVRM" in msg:
-                mono = int(parts[2]) / 1e6
-                # monotonic -> wall clock, read now (the offset only drifts with NTP slews)
-                wall = mono + (time.time() - time.monotonic())
-                self.records.append((wall, msg.strip()))
-
-    def xids_since(self, t):
-        return [(w, m) for w, m in self.records if w >= t - 1 and "Xid" in m]
+RESULTS = g.RESULTS
 
 
 def main():
+    g.setup("gpu_proof.log", "/tmp/mpsr-gpu")
     RESULTS["started"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    if W.exists():
-        shutil.rmtree(W)
-    (W / "run").mkdir(parents=True)
     smi = sh("nvidia-smi --query-gpu=name,driver_version,compute_mode,pci.bus_id --format=csv,noheader")
     RESULTS["gpu"] = smi.stdout.strip()
     RESULTS["kernel"] = sh("uname -r").stdout.strip()
@@ -203,34 +37,15 @@ def main():
     RESULTS["mps_binary_strings"] = strings
     say("MPS control binary mentions: " + strings.replace("\n", " / "))
 
-    nv = sh(f"nvcc -O2 -arch=sm_90 -o {W}/mpsr_probe {ROOT}/tests/gpu/cuda/mpsr_probe.cu", timeout=300)
+    nv = sh(f"nvcc -O2 -arch=sm_90 -o {g.W}/mpsr_probe {g.ROOT}/tests/gpu/cuda/mpsr_probe.cu", timeout=300)
     if nv.returncode != 0:
         say("nvcc failed: " + nv.stderr)
         return finish()
-    shim = W / "scontrol"
-    shim.write_text(f"#!/bin/sh\necho \"$@\" >> {W}/scontrol.log\ncase \"$1\" in show) echo 'NodeName=gpu-node State=IDLE JobId=0 Restarts=0';; esac\nexit 0\n")
-    shim.chmod(0o755)
-    cfg = W / "agent.toml"
-    cfg.write_text(f"""backend = "nvml"
-socket = "{SOCK}"
-state_dir = "{W}/state"
-run_dir = "{W}/run"
-node_name = "gpu-node"
-[log]
-target = "stderr"
-level = "info"
-[slurm]
-scontrol = "{shim}"
-[mps]
-fault_grace_ms = 2000
-quit_on_shutdown = false
-[faults]
-kmsg = true
-""")
-    sc = sh([str(BIN / "mpsr-agent"), "--config", str(cfg), "--self-check"])
+    cfg = g.write_agent_config("[keeper]\nenabled = false\n")
+    sc = sh([str(g.BIN / "mpsr-agent"), "--config", str(cfg), "--self-check"])
     RESULTS["self_check"] = sc.stdout
     say("self-check:\n" + sc.stdout)
-    agent_log = open(OUT / "agent.log", "a")
+    agent_log = open(g.OUT / "agent.log", "a")
     agent = start_agent(cfg, agent_log)
     if agent is None or agent.poll() is not None:
         say("agent did not start; see agent.log")
@@ -239,8 +54,8 @@ kmsg = true
     say(f"agent up: gpu0 {g}")
     st = status()
     RESULTS["status_at_start"] = st
-    pipe = f"{W}/run/gpu0/pipe"
-    logd = f"{W}/run/gpu0/log"
+    pipe = f"{g.W}/run/gpu0/pipe"
+    logd = f"{g.W}/run/gpu0/log"
     kmsg = Kmsg()
     RESULTS["kmsg_readable"] = kmsg.ok
 
@@ -421,19 +236,7 @@ kmsg = true
 
 
 def finish():
-    # Stop the MPS daemon this script's agent started (and only that one).
-    for d in sorted((W / "run").glob("gpu*/pipe")):
-        r = sh(f"echo quit | CUDA_MPS_PIPE_DIRECTORY={d} nvidia-cuda-mps-control", timeout=30)
-        say(f"quit MPS daemon {d}: rc {r.returncode} {r.stdout.strip()} {r.stderr.strip()}")
-    for src in sorted((W / "run").glob("gpu*/log/*.log")):
-        shutil.copy(src, OUT / f"mps-{src.parent.parent.name}-{src.name}")
-    if (W / "scontrol.log").exists():
-        shutil.copy(W / "scontrol.log", OUT / "scontrol.log")
-    RESULTS["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    RESULTS["passed"] = not RESULTS["failures"] and bool(RESULTS["cases"])
-    (OUT / "gpu_proof.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    say(f"RESULT: {'ALL CASES MATCHED' if RESULTS['passed'] else 'FAILURES: ' + '; '.join(RESULTS['failures'])}")
-    return 0 if RESULTS["passed"] else 1
+    return g.finish_common("gpu_proof.json")
 
 
 if __name__ == "__main__":
