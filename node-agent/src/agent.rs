@@ -45,6 +45,9 @@ pub struct Durable {
     /// Reports of jobs that ended here, with their owner uid, for `mpsrctl report` afterwards.
     #[serde(default)]
     pub finished: BTreeMap<u32, (u32, mpsr_proto::JobReport)>,
+    /// The last registry journal entry this state file includes.
+    #[serde(default)]
+    pub journal_seq: u64,
 }
 
 /// A GPU whose server is expected to be in FAULT after a decision.
@@ -63,9 +66,19 @@ pub struct State {
     /// reported, so a victim may deregister before the fault's first signal arrives: it still
     /// counts as hit for a short while.
     recent_exits: VecDeque<(Instant, crate::registry::Task)>,
+    /// Registry changes not yet in the journal file.
+    journal_pending: Vec<crate::journal::Entry>,
+    next_seq: u64,
 }
 
 impl State {
+    /// Records a registry change for the journal (the change itself is already applied).
+    pub fn journal(&mut self, op: crate::journal::Op) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.journal_pending.push(crate::journal::Entry { seq, op });
+    }
+
     /// Notes an abnormal task exit (see `recent_exits`).
     pub fn note_exit(&mut self, t: crate::registry::Task, keep: Duration) {
         self.recent_exits.retain(|(at, _)| at.elapsed() < keep);
@@ -76,11 +89,17 @@ impl State {
     }
 }
 
-/// Group commit: mutations bump `dirty`; one writer thread persists and bumps `durable`.
+/// Group commit: mutations bump `dirty`; one writer thread persists and bumps `durable`. Registry
+/// changes alone go to the journal (cheap); anything else sets `full` (state file rewrite).
 struct Persister {
     gens: Mutex<(u64, u64)>,
     cv: Condvar,
+    full: std::sync::atomic::AtomicBool,
+    journal: Mutex<crate::journal::Journal>,
 }
+
+/// A full state file after this many journal entries.
+const JOURNAL_MAX: usize = 20_000;
 
 pub struct Agent {
     pub cfg: Config,
@@ -137,6 +156,12 @@ impl Agent {
             })?;
         }
         let mut d: Durable = persist::read(&cfg.state_dir.join("state.json"))?.unwrap_or_default();
+        let journal_path = cfg.state_dir.join("registry.journal");
+        let (replayed, last_seq) =
+            crate::journal::Journal::replay(&journal_path, d.journal_seq, &mut d.registry);
+        if replayed > 0 {
+            tracing::info!(entries = replayed, "registry journal replayed");
+        }
         let history: VecDeque<DecisionRecord> =
             persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
@@ -179,10 +204,15 @@ impl Agent {
                 correlator: Correlator::new(window),
                 recovering: BTreeMap::new(),
                 recent_exits: VecDeque::new(),
+                journal_pending: Vec::new(),
+                next_seq: last_seq + 1,
             }),
             persister: Persister {
                 gens: Mutex::new((1, 0)),
                 cv: Condvar::new(),
+                // The first write is a full one: it folds the replayed journal into the state file.
+                full: std::sync::atomic::AtomicBool::new(true),
+                journal: Mutex::new(crate::journal::Journal::new(&journal_path)),
             },
             slurm,
             slurm_wake: Condvar::new(),
@@ -206,6 +236,17 @@ impl Agent {
 
     /// Marks the durable state changed; returns the generation to wait for.
     pub fn mark_dirty(&self) -> u64 {
+        let mut g = lock(&self.persister.gens);
+        self.persister
+            .full
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        g.0 += 1;
+        self.persister.cv.notify_all();
+        g.0
+    }
+
+    /// Marks registry changes recorded with `State::journal` (only a journal append is needed).
+    pub fn mark_journaled(&self) -> u64 {
         let mut g = lock(&self.persister.gens);
         g.0 += 1;
         self.persister.cv.notify_all();
@@ -232,20 +273,45 @@ impl Agent {
     }
 
     fn persist_now(&self) {
-        let target = lock(&self.persister.gens).0;
-        let body = {
-            let s = self.state();
-            serde_json::to_vec(&s.d)
+        use std::sync::atomic::Ordering::SeqCst;
+        let (target, mut full) = {
+            let g = lock(&self.persister.gens);
+            (g.0, self.persister.full.swap(false, SeqCst))
         };
-        match body.map_err(|e| e.to_string()).and_then(|b| {
-            persist::write_atomic_bytes(&self.state_file(), &b).map_err(|e| e.to_string())
-        }) {
+        let mut journal = lock(&self.persister.journal);
+        full |= journal.len > JOURNAL_MAX;
+        let result = if full {
+            let body = {
+                let mut st = self.state();
+                // Everything journaled so far is in memory, hence in this file.
+                st.d.journal_seq = st.next_seq - 1;
+                st.journal_pending.clear();
+                serde_json::to_vec(&st.d)
+            };
+            body.map_err(|e| e.to_string())
+                .and_then(|b| {
+                    persist::write_atomic_bytes(&self.state_file(), &b).map_err(|e| e.to_string())
+                })
+                .and_then(|_| journal.reset().map_err(|e| e.to_string()))
+        } else {
+            let entries = std::mem::take(&mut self.state().journal_pending);
+            if entries.is_empty() {
+                Ok(())
+            } else {
+                journal.append(&entries).map_err(|e| e.to_string())
+            }
+        };
+        match result {
             Ok(()) => {
                 let mut g = lock(&self.persister.gens);
                 g.1 = g.1.max(target);
                 self.persister.cv.notify_all();
             }
-            Err(e) => tracing::error!(error = %e, "persisting state failed; will retry"),
+            Err(e) => {
+                // The next attempt writes the whole state, which holds whatever was lost here.
+                self.persister.full.store(true, SeqCst);
+                tracing::error!(error = %e, "persisting state failed; will retry");
+            }
         }
     }
 

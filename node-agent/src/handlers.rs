@@ -41,6 +41,11 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 return denied(format!("job {job_id} belongs to another user"));
             }
             st.d.registry.remove((job_id, step_id, pid));
+            st.journal(crate::journal::Op::Remove {
+                job: job_id,
+                step: step_id,
+                pid,
+            });
             if exit_status.is_some_and(|s| s != 0) {
                 let keep = agent.exit_memory();
                 st.note_exit(t.clone(), keep);
@@ -48,8 +53,9 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             drop(st);
             tracing::info!(job = job_id, step = %crate::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
             agent.client_exit_signal(&t.gpus, exit_status);
-            let g = agent.mark_dirty();
-            agent.wait_durable(g);
+            // Not waited for: a deregistration lost in a crash is redone by the restart's
+            // reconciliation (the pid is gone by then).
+            agent.mark_journaled();
             Response::Ok
         }
         Request::JobStart {
@@ -357,8 +363,16 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     let task = Task::from_registration(&r, uid, Some(start), trusted);
     let gen = {
         let mut st = agent.state();
-        match st.d.registry.register(task) {
+        match st.d.registry.register(task.clone()) {
             Ok(evicted) => {
+                for t in &evicted {
+                    st.journal(crate::journal::Op::Remove {
+                        job: t.job_id,
+                        step: t.step_id,
+                        pid: t.pid,
+                    });
+                }
+                st.journal(crate::journal::Op::Register { task });
                 for t in evicted {
                     tracing::warn!(
                         job = t.job_id,
@@ -371,7 +385,7 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
             }
             Err(e) => return denied(e.to_string()),
         }
-        agent.mark_dirty()
+        agent.mark_journaled()
     };
     // Reply only once the registration is on disk: an agent crash right after loses nothing.
     if !agent.wait_durable(gen) {

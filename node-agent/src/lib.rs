@@ -9,6 +9,7 @@ pub mod decide;
 pub mod event;
 pub mod handlers;
 pub mod intake;
+pub mod journal;
 pub mod keeper;
 pub mod kmsg;
 pub mod logging;

@@ -85,84 +85,118 @@ impl std::fmt::Display for RegisterError {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Tasks keyed by (job, step, pid): a job's tasks are one range, so per-job lookups on the
+/// registration path do not scan the whole registry. Stored on disk as a map "job.step.pid" -> task.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Registry {
-    tasks: BTreeMap<String, Task>,
+    tasks: BTreeMap<TaskKey, Task>,
 }
 
-fn key_str(k: TaskKey) -> String {
-    format!("{}.{}.{}", k.0, k.1, k.2)
+impl Serialize for Registry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Disk<'a> {
+            tasks: BTreeMap<String, &'a Task>,
+        }
+        Disk {
+            tasks: self
+                .tasks
+                .iter()
+                .map(|(k, t)| (format!("{}.{}.{}", k.0, k.1, k.2), t))
+                .collect(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Registry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Disk {
+            tasks: BTreeMap<String, Task>,
+        }
+        let disk = Disk::deserialize(d)?;
+        Ok(Registry {
+            tasks: disk
+                .tasks
+                .into_values()
+                .map(|t| ((t.job_id, t.step_id, t.pid), t))
+                .collect(),
+        })
+    }
+}
+
+fn key(t: &Task) -> TaskKey {
+    (t.job_id, t.step_id, t.pid)
 }
 
 impl Registry {
+    fn job_tasks(&self, job: u32) -> impl Iterator<Item = &Task> {
+        self.tasks
+            .range((job, 0, 0)..=(job, u32::MAX, u32::MAX))
+            .map(|(_, t)| t)
+    }
+
     /// Registers a task. A job belongs to the uid that registered it first, except that a trusted
     /// registration (from Slurm itself) evicts a user's earlier claim on a job id that is not
     /// theirs; the evicted tasks are returned so the caller can log them.
     pub fn register(&mut self, t: Task) -> Result<Vec<Task>, RegisterError> {
         let mut evicted = Vec::new();
-        if let Some(other) = self.tasks.values().find(|o| o.job_id == t.job_id) {
-            if other.uid != t.uid {
-                let squatted = t.trusted
-                    && !self
-                        .tasks
-                        .values()
-                        .any(|o| o.job_id == t.job_id && o.trusted);
+        let first = self.job_tasks(t.job_id).next().map(|o| (o.uid, o.mode));
+        if let Some((owner, mode)) = first {
+            if owner != t.uid {
+                let squatted = t.trusted && !self.job_tasks(t.job_id).any(|o| o.trusted);
                 if !squatted {
                     return Err(RegisterError::OtherOwner {
                         job_id: t.job_id,
-                        owner: other.uid,
+                        owner,
                     });
                 }
                 evicted = self.remove_job(t.job_id);
-            } else if other.mode != t.mode {
+            } else if mode != t.mode {
                 return Err(RegisterError::ModeConflict {
                     job_id: t.job_id,
-                    existing: other.mode,
+                    existing: mode,
                 });
             }
         }
-        self.tasks.insert(key_str((t.job_id, t.step_id, t.pid)), t);
+        self.tasks.insert(key(&t), t);
         Ok(evicted)
+    }
+
+    /// Inserts or replaces a task without checks (journal replay of an accepted registration).
+    pub fn put(&mut self, t: Task) {
+        self.tasks.insert(key(&t), t);
     }
 
     /// Adds a task that already exited back into a decision's view (no ownership checks: it was
     /// registered before).
     pub fn insert_exited(&mut self, t: Task) {
-        self.tasks
-            .entry(key_str((t.job_id, t.step_id, t.pid)))
-            .or_insert(t);
+        self.tasks.entry(key(&t)).or_insert(t);
     }
 
     /// The registered task of `job` that is `pid` or one of the given ancestors of it.
     pub fn task_in_ancestry(&self, job: u32, ancestry: &[u32]) -> Option<&Task> {
         ancestry
             .iter()
-            .find_map(|p| self.tasks.values().find(|t| t.job_id == job && t.pid == *p))
+            .find_map(|p| self.job_tasks(job).find(|t| t.pid == *p))
     }
 
     pub fn get(&self, k: TaskKey) -> Option<&Task> {
-        self.tasks.get(&key_str(k))
+        self.tasks.get(&k)
     }
 
     pub fn remove(&mut self, k: TaskKey) -> Option<Task> {
-        self.tasks.remove(&key_str(k))
+        self.tasks.remove(&k)
     }
 
     pub fn remove_job(&mut self, job_id: u32) -> Vec<Task> {
-        let keys: Vec<String> = self
-            .tasks
-            .iter()
-            .filter(|(_, t)| t.job_id == job_id)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let keys: Vec<TaskKey> = self.job_tasks(job_id).map(key).collect();
         keys.iter().filter_map(|k| self.tasks.remove(k)).collect()
     }
 
     pub fn job_owner(&self, job_id: u32) -> Option<u32> {
-        self.tasks
-            .values()
-            .find(|t| t.job_id == job_id)
-            .map(|t| t.uid)
+        self.job_tasks(job_id).next().map(|t| t.uid)
     }
 
     pub fn tasks(&self) -> impl Iterator<Item = &Task> {
@@ -195,11 +229,11 @@ impl Registry {
 
     /// After a restart: drop tasks whose process is gone or whose pid was reused.
     pub fn reconcile(&mut self, alive: impl Fn(u32, Option<u64>) -> bool) -> Vec<Task> {
-        let dead: Vec<String> = self
+        let dead: Vec<TaskKey> = self
             .tasks
-            .iter()
-            .filter(|(_, t)| !alive(t.pid, t.start_ticks))
-            .map(|(k, _)| k.clone())
+            .values()
+            .filter(|t| !alive(t.pid, t.start_ticks))
+            .map(key)
             .collect();
         dead.iter().filter_map(|k| self.tasks.remove(k)).collect()
     }
@@ -338,6 +372,16 @@ mod tests {
         // SAFETY: getuid has no preconditions.
         assert_eq!(procfs::uid(me), Some(unsafe { libc::getuid() }));
         assert!(procfs::ancestry(me).len() >= 2);
+    }
+
+    #[test]
+    fn persisted_form_is_the_string_keyed_map_of_earlier_versions() {
+        let mut r = Registry::default();
+        r.register(task(12, 5, 7, &[0])).unwrap();
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert!(v["tasks"]["12.0.5"].is_object(), "{v}");
+        let back: Registry = serde_json::from_value(v).unwrap();
+        assert_eq!(back, r);
     }
 
     #[test]
