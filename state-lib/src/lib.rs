@@ -117,8 +117,22 @@ fn socket() -> Result<std::path::PathBuf, StateError> {
 
 fn call(req: &KeeperRequest) -> Result<(KeeperResponse, UnixStream), StateError> {
     let path = socket()?;
-    let mut s = UnixStream::connect(&path)
-        .map_err(|e| StateError::Unavailable(format!("{}: {e}", path.display())))?;
+    // The keeper may be restarting (after a GPU reset the agent starts a fresh one): retry briefly.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut s = loop {
+        match UnixStream::connect(&path) {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                ) && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(StateError::Unavailable(format!("{}: {e}", path.display()))),
+        }
+    };
     // Restoring a large snapshot can take a while; a dead keeper must not hang us forever.
     let _ = s.set_read_timeout(Some(Duration::from_secs(600)));
     let _ = s.set_write_timeout(Some(Duration::from_secs(10)));

@@ -236,11 +236,37 @@ kmsg = true
     return cfg
 
 
+def keeper_call(sock, req):
+    """One request to a state keeper (4-byte length + JSON); None when it does not answer."""
+    import socket
+    import struct
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(5)
+        s.connect(str(sock))
+        b = json.dumps(req).encode()
+        s.sendall(struct.pack(">I", len(b)) + b)
+        n = struct.unpack(">I", s.recv(4))[0]
+        data = b""
+        while len(data) < n:
+            data += s.recv(n - len(data))
+        return json.loads(data)
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def keeper_pid(sock):
+    r = keeper_call(sock, {"op": "ping"})
+    return r.get("pid") if r else None
+
+
 def finish_common(json_name):
     """Stops what this script started (its keepers, its MPS daemon, and only those), keeps the logs."""
     for sock in sorted((W / "run").glob("gpu*/keeper.sock")):
-        r = sh(f"pkill -f -- '--socket {sock}'")
-        say(f"stopped keeper {sock}: rc {r.returncode}")
+        pid = keeper_pid(sock)
+        if pid:
+            os.kill(pid, 15)
+        say(f"stopped keeper {sock} (pid {pid})")
     for d in sorted((W / "run").glob("gpu*/pipe")):
         r = sh(f"echo quit | CUDA_MPS_PIPE_DIRECTORY={d} nvidia-cuda-mps-control", timeout=30)
         say(f"quit MPS daemon {d}: rc {r.returncode} {r.stdout.strip()} {r.stderr.strip()}")

@@ -24,8 +24,7 @@ PAT = "0x1234abcd"
 
 
 def keeper_pid():
-    r = sh(f"pgrep -f -- '--socket {g.W}/run/gpu0/keeper.sock'")
-    return int(r.stdout.split()[0]) if r.stdout.split() else None
+    return g.keeper_pid(g.W / "run/gpu0/keeper.sock")
 
 
 def main():
@@ -185,10 +184,9 @@ def main():
     check(case, "ATTACH_ERROR" in owner.text() and "VERIFIED" not in owner.text(),
           "a process of another uid under the job's task cannot attach the job's state")
     ctl("job-end", 820)
-    stats = sh(f"python3 - <<'PY'\nimport socket,struct,json\ns=socket.socket(socket.AF_UNIX)\ns.connect('{keeper_sock}')\n"
-               f"b=json.dumps({{'op':'stats'}}).encode()\ns.sendall(struct.pack('>I',len(b))+b)\n"
-               f"n=struct.unpack('>I',s.recv(4))[0]\nprint(s.recv(n).decode())\nPY").stdout
-    say(f"keeper holds after all jobs ended: {stats.strip()}")
+    stats = g.keeper_call(keeper_sock, {"op": "stats"})
+    say(f"keeper holds after all jobs ended: {stats}")
+    check("cleanup", stats is not None and stats.get("total_bytes") == 0, "the keeper holds nothing once every job ended")
     agent.send_signal(signal.SIGTERM)
     agent.wait(30)
     return g.finish_common("state_proof.json")
