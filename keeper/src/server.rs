@@ -7,7 +7,6 @@ use crate::store::{Store, StoreError};
 use mpsr_proto::keeper::{valid_name, KeeperRequest, KeeperResponse};
 use mpsr_proto::{fdpass, peer_cred, Client, ErrorCode, PeerCred, Request, Response};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -287,20 +286,7 @@ impl Keeper {
 }
 
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    if UnixStream::connect(path).is_ok() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::AddrInUse,
-            format!("another keeper serves {}", path.display()),
-        ));
-    }
-    let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path)?;
-    // Any user's job may ask; each request is authorized from SO_PEERCRED.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
-    Ok(l)
+    mpsr_proto::bind_world_socket(path, "keeper")
 }
 
 pub fn serve(k: Arc<Keeper>, l: UnixListener) {

@@ -2,7 +2,6 @@
 
 use crate::agent::Agent;
 use mpsr_proto::{ErrorCode, FrameError, Request, Response};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -13,22 +12,7 @@ const MAX_CONNECTIONS: usize = 512;
 pub use mpsr_proto::{peer_cred, PeerCred};
 
 pub fn bind(path: &std::path::Path) -> std::io::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
-    }
-    // A stale socket from a previous run would make bind fail.
-    if UnixStream::connect(path).is_ok() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::AddrInUse,
-            format!("another agent is serving {}", path.display()),
-        ));
-    }
-    let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path)?;
-    // Everyone may connect; what they may do is decided per request from SO_PEERCRED.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
-    Ok(l)
+    mpsr_proto::bind_world_socket(path, "agent")
 }
 
 pub fn serve(agent: Arc<Agent>, listener: UnixListener) {

@@ -5,23 +5,47 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
+/// A one-byte payload plus room for one fd's control message; `msg` points into `self`, so it is
+/// built by the caller after the buffers are in place.
+struct Buffers {
+    byte: [u8; 1],
+    iov: libc::iovec,
+    cbuf: Vec<u8>,
+}
+
+impl Buffers {
+    fn new(byte: u8) -> Box<Buffers> {
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        let mut b = Box::new(Buffers {
+            byte: [byte],
+            iov: libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 1,
+            },
+            cbuf: vec![0u8; space],
+        });
+        b.iov.iov_base = b.byte.as_mut_ptr() as *mut libc::c_void;
+        b
+    }
+
+    fn msg(&mut self) -> libc::msghdr {
+        // SAFETY: msghdr is plain data; zeroed is valid, and the fields set point into self, which
+        // is boxed (does not move) and outlives the sendmsg/recvmsg call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut self.iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = self.cbuf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = self.cbuf.len() as _;
+        msg
+    }
+}
+
 /// Sends `fd` with a one-byte payload.
 pub fn send_fd(s: &UnixStream, fd: RawFd) -> io::Result<()> {
-    let mut byte = [b'F'];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr() as *mut libc::c_void,
-        iov_len: 1,
-    };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: msghdr is plain data; zeroed is valid, and the fields set below point to live buffers.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: msg_control points to `space` bytes, enough for one header carrying one fd.
+    let mut b = Buffers::new(b'F');
+    let msg = b.msg();
+    // SAFETY: msg_control points to CMSG_SPACE(one fd) bytes, enough for one header with one fd.
     unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
         (*c).cmsg_level = libc::SOL_SOCKET;
@@ -40,20 +64,8 @@ pub fn send_fd(s: &UnixStream, fd: RawFd) -> io::Result<()> {
 
 /// Receives one fd sent by [`send_fd`] (honours the socket's read timeout).
 pub fn recv_fd(s: &UnixStream) -> io::Result<OwnedFd> {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr() as *mut libc::c_void,
-        iov_len: 1,
-    };
-    // SAFETY: pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: as in send_fd.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
+    let mut b = Buffers::new(0);
+    let mut msg = b.msg();
     // SAFETY: msg's buffers are live; MSG_CMSG_CLOEXEC marks the received fd close-on-exec.
     let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
@@ -65,7 +77,7 @@ pub fn recv_fd(s: &UnixStream) -> io::Result<OwnedFd> {
             "connection closed before the fd",
         ));
     }
-    // SAFETY: walking the control messages the kernel wrote into cbuf.
+    // SAFETY: walking the control messages the kernel wrote into b.cbuf.
     unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
         if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS

@@ -11,7 +11,7 @@ pub mod fdpass;
 pub mod frame;
 pub mod keeper;
 mod peer;
-pub use peer::{peer_cred, PeerCred};
+pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};

@@ -1,7 +1,10 @@
-//! Who is on the other end of a Unix socket, as the kernel says (SO_PEERCRED), not as a message says.
+//! The servers' side of the sockets: binding one anyone may connect to, and who is on the other
+//! end of a connection, as the kernel says (SO_PEERCRED), not as a message says.
 
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::io::AsRawFd;
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerCred {
@@ -35,4 +38,23 @@ pub fn peer_cred(s: &UnixStream) -> std::io::Result<PeerCred> {
         uid: c.uid,
         gid: c.gid,
     })
+}
+
+/// Binds a socket every local user may connect to (each request is then authorized from
+/// SO_PEERCRED). Refuses when another server already answers there; replaces a stale file.
+pub fn bind_world_socket(path: &Path, what: &str) -> std::io::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("another {what} is serving {}", path.display()),
+        ));
+    }
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
 }

@@ -343,32 +343,22 @@ fn bad_input_is_refused_clearly() {
     assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
 
     // Another user cannot register into, read or requeue this job.
-    let own_pid_register = format!(
-        "mpsrctl --socket {} register --job {id} --pid $$ --gpus 0",
-        c.agent_socket("n1").display()
+    let as_daemon = |args: String| {
+        c.cmd_as(
+            "daemon",
+            &format!("mpsrctl --socket {} {args}", c.agent_socket("n1").display()),
+        )
+        .unwrap()
+    };
+    assert_fails(
+        &as_daemon(format!("register --job {id} --pid $$ --gpus 0")),
+        "belongs to another user",
     );
-    let out = c.cmd_as("daemon", &own_pid_register).unwrap();
-    assert_fails(&out, "belongs to another user");
-    let out = c
-        .cmd_as(
-            "daemon",
-            &format!(
-                "mpsrctl --socket {} report {id}",
-                c.agent_socket("n1").display()
-            ),
-        )
-        .unwrap();
-    assert_fails(&out, "PermissionDenied");
-    let out = c
-        .cmd_as(
-            "daemon",
-            &format!(
-                "mpsrctl --socket {} sim inject --gpu 0 --xid 31",
-                c.agent_socket("n1").display()
-            ),
-        )
-        .unwrap();
-    assert_fails(&out, "PermissionDenied");
+    assert_fails(&as_daemon(format!("report {id}")), "PermissionDenied");
+    assert_fails(
+        &as_daemon("sim inject --gpu 0 --xid 31".into()),
+        "PermissionDenied",
+    );
     assert_eq!(c.job_field(id, "Restarts"), "0");
 
     // The restarted agent still knows the job: a real fault requeues it.

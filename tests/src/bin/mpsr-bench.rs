@@ -169,7 +169,11 @@ fn launch(n: usize) -> mpsr_e2e::Result<()> {
     let set = |on: bool| {
         std::fs::write(
             c.dir.join("etc/plugstack.conf"),
-            if on { with_plugin.as_str() } else { "" },
+            if on {
+                with_plugin.as_str()
+            } else {
+                "# mps-resilient plugin off for this launch\n"
+            },
         )
     };
     // Warm up every variant once.
@@ -179,12 +183,24 @@ fn launch(n: usize) -> mpsr_e2e::Result<()> {
     srun_time(&c, "")?;
     srun_time(&c, "--mps-resilient")?;
     let (mut none, mut loaded, mut used) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..n {
-        set(false)?;
-        none.push(srun_time(&c, "")?);
-        set(true)?;
-        loaded.push(srun_time(&c, "")?);
-        used.push(srun_time(&c, "--mps-resilient")?);
+    // Rotate which variant goes first, so none of them always follows a plugstack rewrite.
+    for i in 0..n {
+        for v in 0..3 {
+            match (i + v) % 3 {
+                0 => {
+                    set(false)?;
+                    none.push(srun_time(&c, "")?);
+                }
+                1 => {
+                    set(true)?;
+                    loaded.push(srun_time(&c, "")?);
+                }
+                _ => {
+                    set(true)?;
+                    used.push(srun_time(&c, "--mps-resilient")?);
+                }
+            }
+        }
     }
     let (a, b, u) = (mean(&none), mean(&loaded), mean(&used));
     println!("step launch: `srun -w n1 --gres=shard:1 true` on the local Slurm (SIMULATED GPUs), {n} launches each, interleaved");
