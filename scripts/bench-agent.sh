@@ -9,7 +9,8 @@ cargo build --release -q -p mpsr-agent
 B=$PWD/target/release
 T=$(mktemp -d /tmp/mpsr-bench.XXXXXX)
 CL=()
-cleanup() { kill "${CL[@]}" 2>/dev/null || true; kill "$AGENT" 2>/dev/null || true; wait 2>/dev/null || true; }
+# Removing the run dir also ends the simulated GPU daemon and the keepers (they exit when it goes).
+cleanup() { kill "${CL[@]}" 2>/dev/null || true; kill "$AGENT" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$T"; }
 trap cleanup EXIT
 cat > "$T/agent.toml" <<EOF2
 backend = "sim"

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-changed=wrapper.h");
+    println!("cargo:rerun-if-env-changed=SLURM_INCLUDE_DIR");
     println!("cargo:rustc-check-cfg=cfg(mpsr_have_prepend_argv)");
     let mut b = bindgen::Builder::default()
         .header("wrapper.h")

@@ -96,6 +96,8 @@ struct Persister {
     cv: Condvar,
     full: std::sync::atomic::AtomicBool,
     journal: Mutex<crate::journal::Journal>,
+    /// The decision history changed (kept in its own file; not needed for correctness).
+    history: std::sync::atomic::AtomicBool,
 }
 
 /// A full state file after this many journal entries.
@@ -213,6 +215,7 @@ impl Agent {
                 // The first write is a full one: it folds the replayed journal into the state file.
                 full: std::sync::atomic::AtomicBool::new(true),
                 journal: Mutex::new(crate::journal::Journal::new(&journal_path)),
+                history: std::sync::atomic::AtomicBool::new(false),
             },
             slurm,
             slurm_wake: Condvar::new(),
@@ -301,6 +304,14 @@ impl Agent {
                 journal.append(&entries).map_err(|e| e.to_string())
             }
         };
+        if self.persister.history.swap(false, SeqCst) {
+            let body = serde_json::to_vec(&self.state().history);
+            if let Err(e) = body.map_err(|e| e.to_string()).and_then(|b| {
+                persist::write_atomic_bytes(&self.history_file(), &b).map_err(|e| e.to_string())
+            }) {
+                tracing::warn!(error = %e, "writing the decision history failed");
+            }
+        }
         match result {
             Ok(()) => {
                 let mut g = lock(&self.persister.gens);
@@ -575,7 +586,10 @@ impl Agent {
                 st.history.pop_front();
             }
         }
-        let _ = persist::write_atomic(&self.history_file(), &st.history);
+        // Written by the persister, off the fault path.
+        self.persister
+            .history
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.mark_dirty();
         self.slurm_wake.notify_all();
         for (gpu, pid) in terminate {
@@ -606,7 +620,10 @@ impl Agent {
         if let Some(r) = st.history.iter_mut().rev().find(|r| r.fault_id == fault_id) {
             r.outcome.push(line);
         }
-        let _ = persist::write_atomic(&self.history_file(), &st.history);
+        self.persister
+            .history
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.mark_journaled();
     }
 
     /// Executes pending Slurm actions outside the state lock; retries with backoff.

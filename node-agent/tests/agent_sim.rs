@@ -672,3 +672,47 @@ fn a_victim_that_deregistered_just_before_the_fault_is_still_hit() {
     assert_eq!(f.hit_jobs, vec![21], "{f:?}");
     assert!(!e.scontrol_log().contains("requeue 22"));
 }
+
+/// On a machine without a GPU driver the self-check says what is missing and fails cleanly; on a
+/// GPU node this test is skipped (tests/gpu/ covers the real backend).
+#[test]
+fn self_check_without_a_gpu_fails_cleanly() {
+    if Path::new("/dev/nvidiactl").exists() {
+        eprintln!(
+            "SKIPPED: a GPU driver is present; run tests/gpu/gpu_proof.py for the nvml backend"
+        );
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let cfg = d.path().join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{0}/s\"\nrun_dir = \"{0}/r\"\nsocket = \"{0}/r/a.sock\"\n",
+            d.path().display()
+        ),
+    )
+    .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--self-check")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(text.contains("FAIL  NVML"), "{text}");
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("panicked"));
+    // Starting the nvml backend without a GPU is an error message, not a crash.
+    let o = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("NVML"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

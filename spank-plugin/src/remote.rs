@@ -253,7 +253,48 @@ pub fn task_init_privileged(sp: Spank) {
     }
 }
 
-pub fn task_init(_sp: Spank) -> i32 {
+/// Resume mode needs the supervisor in front of the task. From Slurm 23.11 the plugin puts it there
+/// (unless the user already did); older Slurm has no way to, so users write `mpsr-run --` themselves.
+#[cfg(mpsr_have_prepend_argv)]
+fn supervise(sp: Spank, p: &Protected) -> Option<String> {
+    if p.mode != Mode::Resume {
+        return None;
+    }
+    let argv = sp.job_argv().unwrap_or_default();
+    let first = argv
+        .first()
+        .map(|a| a.rsplit('/').next().unwrap_or(a).to_string());
+    if first.as_deref() == Some("mpsr-run") {
+        return None;
+    }
+    let sup = p.cfg.supervisor.display().to_string();
+    match sp.prepend_task_argv(&[sup.as_str(), "--"]) {
+        Ok(()) => None,
+        Err(e) => Some(format!(
+            "cannot put {sup} in front of the task ({e}); it runs without in-place resume"
+        )),
+    }
+}
+
+#[cfg(not(mpsr_have_prepend_argv))]
+fn supervise(sp: Spank, p: &Protected) -> Option<String> {
+    if p.mode != Mode::Resume {
+        return None;
+    }
+    let argv = sp.job_argv().unwrap_or_default();
+    let first = argv
+        .first()
+        .map(|a| a.rsplit('/').next().unwrap_or(a).to_string());
+    (first.as_deref() != Some("mpsr-run")).then(|| {
+        "note: resume mode restarts a task in place only under the supervisor: run `mpsr-run -- COMMAND` (this Slurm is older than 23.11 and cannot add it)".to_string()
+    })
+}
+
+pub fn task_init(sp: Spank) -> i32 {
+    let note = step().protected.clone().and_then(|p| supervise(sp, &p));
+    if let Some(n) = note {
+        eprintln!("mps-resilient: {n}");
+    }
     let st = step();
     if let Some(w) = &st.warning {
         // The task's stderr is the job's stderr by now.

@@ -149,6 +149,40 @@ impl Spank {
         self.item_int(ffi::S_TASK_EXIT_STATUS, "task exit status")
     }
 
+    /// The task's command line (`S_JOB_ARGV`).
+    pub fn job_argv(&self) -> Result<Vec<String>, SpankError> {
+        let mut argc: c_int = 0;
+        let mut argv: *mut *mut c_char = std::ptr::null_mut();
+        // SAFETY: S_JOB_ARGV writes an int and a char** that Slurm owns; both copied at once.
+        check(
+            unsafe {
+                ffi::spank_get_item(self.0, ffi::S_JOB_ARGV, &mut argc as *mut c_int, &mut argv)
+            },
+            "job argv",
+        )?;
+        // SAFETY: argv has argc valid C strings (owned by Slurm for this callback).
+        Ok(unsafe { args(argc, argv) })
+    }
+
+    /// Puts `argv` in front of the task's command (Slurm >= 23.11, task_init only).
+    #[cfg(mpsr_have_prepend_argv)]
+    pub fn prepend_task_argv(&self, argv: &[&str]) -> Result<(), SpankError> {
+        let owned: Vec<CString> = argv
+            .iter()
+            .map(|a| CString::new(*a))
+            .collect::<Result<_, _>>()
+            .map_err(|_| SpankError {
+                code: ffi::ESPANK_BAD_ARG,
+                what: "prepend_task_argv",
+            })?;
+        let mut ptrs: Vec<*const c_char> = owned.iter().map(|c| c.as_ptr()).collect();
+        // SAFETY: ptrs holds argv.len() valid C strings that outlive the call; Slurm copies them.
+        check(
+            unsafe { ffi::spank_prepend_task_argv(self.0, ptrs.len() as c_int, ptrs.as_mut_ptr()) },
+            "prepend_task_argv",
+        )
+    }
+
     /// The job's environment variable (remote context only). `Ok(None)` when unset.
     pub fn getenv(&self, name: &str) -> Result<Option<String>, SpankError> {
         let Ok(cname) = CString::new(name) else {

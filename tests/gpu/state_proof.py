@@ -184,6 +184,21 @@ def main():
     check(case, "ATTACH_ERROR" in owner.text() and "VERIFIED" not in owner.text(),
           "a process of another uid under the job's task cannot attach the job's state")
     ctl("job-end", 820)
+    # The documented Python example (PyTorch): first run loads, second run finds the weights kept.
+    case = "python_example"
+    env = dict(base, SLURM_JOB_ID="830", MPSR_STATE_LIB=f"{g.BIN}/libmpsr_state.so",
+               PYTHONPATH=f"{g.ROOT}/state-lib/python")
+    ex = f"{g.ROOT}/state-lib/examples/keep_weights.py"
+    t = Proc("py", 0, pipe, logd, argv=["sh", "-c", f"sleep 0.5; python3 {ex} - 0.5 10; python3 {ex} - 0.5 10"], env=env)
+    ctl("register", "--job", 830, "--step", 0, "--pid", t.pid, "--gpus", 0, "--mode", "resume")
+    t.wait(180)
+    say(f"  {t.text()}")
+    lines = [l for _, l in t.lines if l.startswith("weights:")]
+    check(case, len(lines) == 2 and "weights: new" in lines[0] and "weights: kept" in lines[1]
+          and lines[0].split("checksum")[1] == lines[1].split("checksum")[1],
+          "second run found the weights kept, same checksum, without loading them")
+    ctl("job-end", 830)
+
     stats = g.keeper_call(keeper_sock, {"op": "stats"})
     say(f"keeper holds after all jobs ended: {stats}")
     check("cleanup", stats is not None and stats.get("total_bytes") == 0, "the keeper holds nothing once every job ended")

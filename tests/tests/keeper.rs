@@ -243,6 +243,33 @@ fn kept_state_survives_its_process_and_is_only_its_jobs() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("origin=Snapshot"), "{}", text(&o));
 
+    // The Python module over the C ABI: the same kept memory, seen through ctypes (with simulated
+    // GPU memory the pointer is a host pointer, so plain memset/string_at stand in for kernels).
+    let py = |code: &str| {
+        Command::new("python3")
+            .arg("-c")
+            .arg(code)
+            .env("MPSR_KEEPER_SOCKET", n.keeper_socket())
+            .env(
+                "MPSR_STATE_LIB",
+                mpsr_e2e::build_dir().unwrap().join("libmpsr_state.so"),
+            )
+            .env("PYTHONPATH", mpsr_e2e::repo_root().join("state-lib/python"))
+            .output()
+            .unwrap()
+    };
+    let o = py("import ctypes, mpsr_state\np, origin = mpsr_state.attach('py', 1 << 20)\nctypes.memset(p, 77, 1 << 20)\nprint(origin)");
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "new");
+    let o = py("import ctypes, mpsr_state\np, origin = mpsr_state.attach('py', 1 << 20)\nprint(origin, set(ctypes.string_at(p, 1 << 20)))\ntry:\n    mpsr_state.attach('../x', 1)\nexcept mpsr_state.MpsrStateError as e:\n    print('refused', e.code)");
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "kept {77}\nrefused -3",
+        "{}",
+        text(&o)
+    );
+
     // The job ends: its allocations and snapshots go.
     let r = n.agent_call(&Request::JobEnd { job_id: 7 });
     assert!(matches!(r, Response::JobReport(_)), "{r:?}");

@@ -51,12 +51,20 @@ fn xid31_requeues_the_jobs_on_that_gpu_only() {
         return;
     };
     let mut gpu0 = Vec::new();
-    for _ in 0..3 {
+    // The first job keeps state in the GPU's keeper; requeued back onto n1 within the keep time,
+    // its second run finds it there.
+    let keeps = "if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then mpsr-statetool ckpt 4M --verify 3 || exit 1; \
+                 else mpsr-statetool ckpt 4M --fill 3 || exit 1; fi\n";
+    for i in 0..3 {
         let id = c
             .sbatch(
                 "nobody",
                 "-w n1 --gres=shard:1 --mps-resilient=requeue",
-                &client_script(120, 1),
+                &format!(
+                    "{}{}",
+                    if i == 0 { keeps } else { "" },
+                    client_script(120, 1)
+                ),
             )
             .unwrap();
         gpu0.push(id);
@@ -104,6 +112,11 @@ fn xid31_requeues_the_jobs_on_that_gpu_only() {
             c.job_output(id)
         );
     }
+    let out = c.job_output(gpu0[0]);
+    assert!(
+        out.contains("origin=Kept") && out.contains("verified ckpt: every byte is 3"),
+        "the requeued job must re-attach its kept state: {out}"
+    );
     c.wait_job_state(other, &["COMPLETED"], LONG).unwrap();
     assert_eq!(c.job_field(other, "Restarts"), "0");
     assert_eq!(c.job_field(other, "ExitCode"), "0:0");
