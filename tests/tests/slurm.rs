@@ -178,7 +178,8 @@ fn resume_restarts_an_srun_task_in_place() {
         text.contains("origin=Kept") && text.contains("verified model: every byte is 9"),
         "the restarted task must find its kept state: {text}"
     );
-    assert_eq!(c.job_field(job, "JobState"), "COMPLETED");
+    // srun has returned; Slurm may still be finishing the job (COMPLETING) for a moment.
+    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
     assert_eq!(c.job_field(job, "Restarts"), "0");
 }
 
