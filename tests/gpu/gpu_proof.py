@@ -50,8 +50,8 @@ def main():
     if agent is None or agent.poll() is not None:
         say("agent did not start; see agent.log")
         return finish()
-    g = gpu0()
-    say(f"agent up: gpu0 {g}")
+    g0 = gpu0()
+    say(f"agent up: gpu0 {g0}")
     st = status()
     RESULTS["status_at_start"] = st
     pipe = f"{g.W}/run/gpu0/pipe"

@@ -17,7 +17,7 @@ import sys
 import time
 
 import gpucommon as g
-from gpucommon import Proc, check, ctl, ctl_json, register, say, sh, start_agent, wait_server_ready
+from gpucommon import Proc, check, ctl, say, sh, start_agent, wait_server_ready
 
 RESULTS = g.RESULTS
 PAT = "0x1234abcd"
