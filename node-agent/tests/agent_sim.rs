@@ -716,3 +716,47 @@ fn self_check_without_a_gpu_fails_cleanly() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// A job with one task per GPU (the two-GPU case of issue 6, simulated): a fault on GPU 0 hits the
+/// job as a whole (one requeue), the fault itself kills only GPU 0's clients, and GPU 1's server
+/// stays ACTIVE and accepts new clients throughout.
+#[test]
+fn a_job_spanning_both_gpus_is_hit_as_a_whole_and_gpu1_keeps_serving() {
+    let e = Env::new("");
+    let mut t0 = e.client(0, 30.0, false);
+    let mut t1 = e.client(1, 30.0, false);
+    let mut other1 = e.client(1, 30.0, false);
+    e.register(31, t0.id(), &[0], Mode::Requeue, true);
+    e.register(31, t1.id(), &[1], Mode::Requeue, true);
+    e.register(32, other1.id(), &[1], Mode::Requeue, true);
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+    })
+    .unwrap();
+    assert_eq!(
+        exit_code(&mut t0, Duration::from_secs(5)),
+        Some(1),
+        "GPU 0 task dies"
+    );
+    // GPU 1 accepts a new client right after the fault on GPU 0.
+    let mut fresh = e.client(1, 0.2, false);
+    assert_eq!(exit_code(&mut fresh, Duration::from_secs(5)), Some(0));
+    e.wait_for("requeue of the spanning job", |e| {
+        e.scontrol_log().contains("requeue 31")
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.hit_jobs, vec![31]);
+    assert_eq!(f.spared_jobs, vec![32]);
+    assert_eq!(e.scontrol_log().matches("requeue 31").count(), 1);
+    assert!(!e.scontrol_log().contains("requeue 32"));
+    assert_eq!(
+        exit_code(&mut t1, Duration::from_millis(300)),
+        None,
+        "the fault does not reach GPU 1"
+    );
+    assert_eq!(exit_code(&mut other1, Duration::from_millis(10)), None);
+    let _ = t1.kill();
+    let _ = other1.kill();
+}
