@@ -247,6 +247,34 @@ pub struct DecisionRecord {
     pub outcome: Vec<String>,
 }
 
+/// The decision as people read it (mpsrctl events, job reports, the demo).
+impl std::fmt::Display for DecisionRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let opt = |v: Option<u32>, none: &str| v.map(|p| p.to_string()).unwrap_or(none.into());
+        write!(
+            f,
+            "fault {} gpu{} xid {:?} class {} sources {:?} kernel-pid {} culprit {} | hit {:?} spared {:?} | decided in {} us",
+            self.fault_id,
+            self.gpu,
+            self.xids,
+            self.class,
+            self.sources,
+            opt(self.reported_pid, "-"),
+            opt(self.culprit, "unknown"),
+            self.hit_jobs,
+            self.spared_jobs,
+            self.decide_us
+        )?;
+        for a in &self.actions {
+            write!(f, "\n    action: {a}")?;
+        }
+        for o in &self.outcome {
+            write!(f, "\n    outcome: {o}")?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobReport {
     pub job_id: u32,

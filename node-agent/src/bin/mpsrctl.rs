@@ -257,23 +257,5 @@ fn print_human(r: &Response) {
 }
 
 fn print_event(e: &mpsr_proto::DecisionRecord) {
-    println!(
-        "fault {} gpu{} xid {:?} class {} sources {:?} kernel-pid {} culprit {} | hit {:?} spared {:?} | decided in {} us",
-        e.fault_id,
-        e.gpu,
-        e.xids,
-        e.class,
-        e.sources,
-        e.reported_pid.map(|p| p.to_string()).unwrap_or("-".into()),
-        e.culprit.map(|p| p.to_string()).unwrap_or("unknown".into()),
-        e.hit_jobs,
-        e.spared_jobs,
-        e.decide_us
-    );
-    for a in &e.actions {
-        println!("    action: {a}");
-    }
-    for o in &e.outcome {
-        println!("    outcome: {o}");
-    }
+    println!("{e}");
 }

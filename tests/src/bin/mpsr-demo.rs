@@ -207,27 +207,11 @@ fn run() -> mpsr_e2e::Result<bool> {
     println!("\n=== the agent's decision (mpsrctl events) ===");
     if let Response::Events { events } = c.agent_call("node1", &Request::Events { limit: 10 })? {
         for e in &events {
-            println!(
-                "fault {} gpu{} xid {:?} class {} sources {:?}; kernel named pid {} (unreliable under MPS, not blamed); culprit {}",
-                e.fault_id,
-                e.gpu,
-                e.xids,
-                e.class,
-                e.sources,
-                e.reported_pid.map(|p| p.to_string()).unwrap_or("-".into()),
-                e.culprit.map(|p| p.to_string()).unwrap_or("unknown".into())
-            );
-            println!(
-                "  hit jobs {:?}, spared jobs {:?}, decided in {} us",
-                e.hit_jobs, e.spared_jobs, e.decide_us
-            );
-            for a in &e.actions {
-                println!("  action:  {a}");
-            }
-            for o in &e.outcome {
-                println!("  outcome: {o}");
-            }
+            println!("{e}");
         }
+        println!(
+            "(kernel-pid: the pid the kernel's Xid line named; wrong under MPS, never blamed)"
+        );
     }
 
     println!("\n=== outcome per job (Slurm's own state) ===");
