@@ -253,18 +253,23 @@ pub fn task_init_privileged(sp: Spank) {
     }
 }
 
-/// Resume mode needs the supervisor in front of the task. From Slurm 23.11 the plugin puts it there
-/// (unless the user already did); older Slurm has no way to, so users write `mpsr-run --` themselves.
-#[cfg(mpsr_have_prepend_argv)]
-fn supervise(sp: Spank, p: &Protected) -> Option<String> {
+/// Whether the task is in resume mode and does not already run under mpsr-run.
+fn needs_supervisor(sp: Spank, p: &Protected) -> bool {
     if p.mode != Mode::Resume {
-        return None;
+        return false;
     }
     let argv = sp.job_argv().unwrap_or_default();
     let first = argv
         .first()
         .map(|a| a.rsplit('/').next().unwrap_or(a).to_string());
-    if first.as_deref() == Some("mpsr-run") {
+    first.as_deref() != Some("mpsr-run")
+}
+
+/// Resume mode needs the supervisor in front of the task. From Slurm 23.11 the plugin puts it there
+/// (unless the user already did); older Slurm has no way to, so users write `mpsr-run --` themselves.
+#[cfg(mpsr_have_prepend_argv)]
+fn supervise(sp: Spank, p: &Protected) -> Option<String> {
+    if !needs_supervisor(sp, p) {
         return None;
     }
     let sup = p.cfg.supervisor.display().to_string();
@@ -278,14 +283,7 @@ fn supervise(sp: Spank, p: &Protected) -> Option<String> {
 
 #[cfg(not(mpsr_have_prepend_argv))]
 fn supervise(sp: Spank, p: &Protected) -> Option<String> {
-    if p.mode != Mode::Resume {
-        return None;
-    }
-    let argv = sp.job_argv().unwrap_or_default();
-    let first = argv
-        .first()
-        .map(|a| a.rsplit('/').next().unwrap_or(a).to_string());
-    (first.as_deref() != Some("mpsr-run")).then(|| {
+    needs_supervisor(sp, p).then(|| {
         "note: resume mode restarts a task in place only under the supervisor: run `mpsr-run -- COMMAND` (this Slurm is older than 23.11 and cannot add it)".to_string()
     })
 }

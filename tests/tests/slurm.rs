@@ -37,6 +37,20 @@ fn client_script(first_s: u32, again_s: u32) -> String {
     )
 }
 
+/// A protected batch job on n1's GPU 0 (as nobody), running and registered with the agent.
+fn protected_batch_job(c: &Cluster) -> u32 {
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
+    id
+}
+
 fn not_drained(c: &Cluster, node: &str) -> bool {
     !c.node(node)
         .get("State")
@@ -197,15 +211,7 @@ fn device_lost_drains_and_healthcheck_resumes_after_recovery() {
     };
     c.cmd("scontrol update NodeName=n2 State=DRAIN Reason='admin: maintenance'")
         .unwrap();
-    let id = c
-        .sbatch(
-            "nobody",
-            "-w n1 --gres=shard:1 --mps-resilient",
-            &client_script(120, 1),
-        )
-        .unwrap();
-    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
-    c.wait_registered("n1", id, 1).unwrap();
+    let id = protected_batch_job(&c);
     c.inject("n1", 0, 79).unwrap();
     let reason = wait_for("n1 drained by the agent", SHORT, || {
         let n = c.node("n1");
@@ -343,15 +349,7 @@ fn bad_input_is_refused_clearly() {
     c.start_agent("n1").unwrap();
 
     // Agent killed mid-job and restarted: the registration survives and a fault still requeues.
-    let id = c
-        .sbatch(
-            "nobody",
-            "-w n1 --gres=shard:1 --mps-resilient",
-            &client_script(120, 1),
-        )
-        .unwrap();
-    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
-    c.wait_registered("n1", id, 1).unwrap();
+    let id = protected_batch_job(&c);
     c.stop_agent("n1", true);
     c.start_agent("n1").unwrap();
     assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
