@@ -448,14 +448,24 @@ impl Agent {
             return;
         };
         // The registry as it was a moment ago: live tasks plus victims that exited just now.
+        // Copied only when there are such victims: the common case decides on the registry itself.
         let keep = self.exit_memory();
-        let mut view = st.d.registry.clone();
-        for (at, t) in &st.recent_exits {
-            if at.elapsed() < keep && t.gpus.contains(&ev.gpu) {
-                view.insert_exited(t.clone());
+        let exited: Vec<&crate::registry::Task> = st
+            .recent_exits
+            .iter()
+            .filter(|(at, t)| at.elapsed() < keep && t.gpus.contains(&ev.gpu))
+            .map(|(_, t)| t)
+            .collect();
+        let view = if exited.is_empty() {
+            std::borrow::Cow::Borrowed(&st.d.registry)
+        } else {
+            let mut v = st.d.registry.clone();
+            for t in exited {
+                v.insert_exited(t.clone());
             }
-        }
-        let reg = &view;
+            std::borrow::Cow::Owned(v)
+        };
+        let reg: &crate::registry::Registry = &view;
         let decision = decide(&ev, reg, &self.classifier, &self.node, |pid| {
             procfs::ancestry(pid)
                 .into_iter()

@@ -118,22 +118,11 @@ impl Journal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mpsr_proto::Mode;
 
     fn task(job: u32, pid: u32) -> Task {
         Task {
-            job_id: job,
-            step_id: 0,
-            pid,
-            uid: 1000,
-            gpus: vec![0],
-            mode: Mode::Requeue,
-            batch: true,
-            threads_pct: None,
-            mem_limit: None,
-            restart_count: 0,
-            start_ticks: None,
             trusted: true,
+            ..crate::registry::tests::task(job, pid, 1000, &[0])
         }
     }
 

@@ -294,10 +294,11 @@ pub mod procfs {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn task(job: u32, pid: u32, uid: u32, gpus: &[u32]) -> Task {
+    /// A batch task in requeue mode, step 0, registered by the user (tests of this crate).
+    pub(crate) fn task(job: u32, pid: u32, uid: u32, gpus: &[u32]) -> Task {
         Task {
             job_id: job,
             step_id: 0,
