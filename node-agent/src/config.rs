@@ -90,6 +90,31 @@ pub struct MpsConfig {
     /// Stop the MPS daemons when the agent stops. Off: an agent restart must not end running jobs'
     /// GPU work (the daemons keep serving; the restarted agent takes them over).
     pub quit_on_shutdown: bool,
+    /// Fault domain of a job that does not ask (`--mps-isolation`): shared, job or user.
+    pub isolation_default: mpsr_proto::Isolation,
+    /// What users may ask for.
+    pub isolation_allowed: Vec<mpsr_proto::Isolation>,
+    /// MPS servers per GPU, the shared one included.
+    pub max_domains_per_gpu: u32,
+    /// A job or user domain with no tasks is stopped after this long (seconds).
+    pub domain_linger_s: u64,
+    /// Who is placed apart after being the culprit of a fault: "job", "user" or "off".
+    pub quarantine: crate::domain::QuarantineRule,
+    /// How long the quarantine lasts (seconds).
+    pub quarantine_s: u64,
+}
+
+impl MpsConfig {
+    /// The placement rules of the domain table.
+    pub fn policy(&self) -> crate::domain::Policy {
+        crate::domain::Policy {
+            default: self.isolation_default,
+            allowed: self.isolation_allowed.iter().copied().collect(),
+            max_per_gpu: self.max_domains_per_gpu,
+            quarantine: self.quarantine,
+            quarantine_ms: self.quarantine_s.saturating_mul(1000),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -170,6 +195,12 @@ impl Default for MpsConfig {
             health_interval_ms: 1_000,
             fault_grace_ms: 2_000,
             quit_on_shutdown: false,
+            isolation_default: mpsr_proto::Isolation::Shared,
+            isolation_allowed: mpsr_proto::Isolation::ALL.to_vec(),
+            max_domains_per_gpu: 4,
+            domain_linger_s: 60,
+            quarantine: crate::domain::QuarantineRule::Job,
+            quarantine_s: 86_400,
         }
     }
 }
@@ -269,6 +300,43 @@ impl Config {
                     "'{}' is not a size like 900M or 16G",
                     self.mps.default_pinned_mem_limit
                 ),
+            ));
+        }
+        if self.mps.isolation_allowed.is_empty() {
+            return Err(bad(
+                "mps.isolation_allowed",
+                "must name at least one of shared, job, user".into(),
+            ));
+        }
+        if !self
+            .mps
+            .isolation_allowed
+            .contains(&self.mps.isolation_default)
+        {
+            return Err(bad(
+                "mps.isolation_default",
+                format!(
+                    "'{}' is not in mps.isolation_allowed",
+                    self.mps.isolation_default
+                ),
+            ));
+        }
+        if !(1..=48).contains(&self.mps.max_domains_per_gpu) {
+            return Err(bad(
+                "mps.max_domains_per_gpu",
+                format!("{} is not in 1..=48", self.mps.max_domains_per_gpu),
+            ));
+        }
+        let apart = self
+            .mps
+            .isolation_allowed
+            .iter()
+            .any(|i| *i != mpsr_proto::Isolation::Shared);
+        if self.mps.max_domains_per_gpu == 1 && apart {
+            return Err(bad(
+                "mps.max_domains_per_gpu",
+                "1 leaves no room for job or user domains; allow only \"shared\" or raise it"
+                    .into(),
             ));
         }
         for (key, v) in [
@@ -373,7 +441,7 @@ impl Config {
                 return Err(ConfigError::Value {
                     path: path.to_path_buf(),
                     key: format!("{key}.action"),
-                    message: "an action needs radius = \"gpu\"".into(),
+                    message: "an action needs radius = \"domain\" or \"gpu\"".into(),
                 });
             }
             out.insert(class, *p);
@@ -403,6 +471,8 @@ mod tests {
         );
         assert_eq!(c.sim.recovery_ms, d.sim.recovery_ms);
         assert_eq!(c.slurm.max_attempts, d.slurm.max_attempts);
+        assert_eq!(c.mps.policy(), d.mps.policy());
+        assert_eq!(c.mps.domain_linger_s, d.mps.domain_linger_s);
     }
 
     #[test]
@@ -438,6 +508,25 @@ mod tests {
         let e = parse("[slurm]\ntimeout_ms = 0\n").unwrap_err().to_string();
         assert!(e.contains("slurm.timeout_ms"), "{e}");
         assert!(parse("this is = not toml [").is_err());
+        let e = parse("[mps]\nisolation_default = \"job\"\nisolation_allowed = [\"shared\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mps.isolation_default"), "{e}");
+        let e = parse("[mps]\nisolation_allowed = [\"gpu\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gpu"), "{e}");
+        let e = parse("[mps]\nmax_domains_per_gpu = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mps.max_domains_per_gpu"), "{e}");
+        let e = parse("[mps]\nquarantine = \"forever\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("forever"), "{e}");
+        assert!(
+            parse("[mps]\nmax_domains_per_gpu = 1\nisolation_allowed = [\"shared\"]\n").is_ok()
+        );
     }
 
     #[test]

@@ -1,20 +1,21 @@
 //! The decision: given a fault event and the registry, which jobs were hit and what to do for each.
 //! Pure (no I/O) so every class can be tested exhaustively.
 
+use crate::domain::jobs_by_domain;
 use crate::event::FaultEvent;
 use crate::registry::Registry;
 use crate::xid::{BlastRadius, Classifier, FaultClass, JobAction};
-use mpsr_proto::Mode;
+use mpsr_proto::{CulpritEvidence, DomainId, Mode};
 use std::collections::BTreeSet;
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Action {
     /// End only this MPS client (`terminate_client`); the others keep running.
-    TerminateClient { gpu: u32, pid: u32 },
+    TerminateClient { domain: DomainId, pid: u32 },
     /// `scontrol requeue` a batch job.
     Requeue { job_id: u32 },
-    /// Hand the task to the resume path (restart in place once the server is ACTIVE).
+    /// Hand the task to the resume path (restart in place once its server is ACTIVE).
     Resume { job_id: u32, step_id: u32, pid: u32 },
     /// The task must not be resumed (culprit, or GPU unusable): its supervisor is told to fail it.
     FailTask {
@@ -32,8 +33,8 @@ pub enum Action {
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Action::TerminateClient { gpu, pid } => {
-                write!(f, "terminate_client gpu{gpu} pid {pid}")
+            Action::TerminateClient { domain, pid } => {
+                write!(f, "terminate_client {domain} pid {pid}")
             }
             Action::Requeue { job_id } => write!(f, "requeue job {job_id}"),
             Action::Resume {
@@ -66,13 +67,29 @@ pub fn step_name(step: u32) -> String {
 pub struct Decision {
     pub class: FaultClass,
     pub hit: BTreeSet<u32>,
-    /// Registered jobs not hit (other GPUs, or spared by isolation).
+    /// Registered jobs not hit (other domains, other GPUs, or spared by isolation).
     pub spared: BTreeSet<u32>,
-    pub culprit_job: Option<u32>,
+    /// The domains whose clients the fault killed.
+    pub hit_domains: BTreeSet<DomainId>,
+    /// An application fault that no domain has shown yet: the agent asks each domain's server.
+    pub awaiting_domain: bool,
+    pub culprit: Option<(u32, CulpritEvidence)>,
     pub actions: Vec<Action>,
 }
 
+impl Decision {
+    pub fn culprit_job(&self) -> Option<u32> {
+        self.culprit.map(|c| c.0)
+    }
+}
+
 /// `owner_of(pid)`: the registered job a process belongs to (itself or an ancestor is a task).
+///
+/// Who was hit follows what the hardware showed, never the kernel line's pid (wrong under MPS):
+/// an application fault hits the jobs of the domains whose servers showed it (server.log fatal
+/// error line, server in FAULT); until one has, nobody is hit and the decision says it waits. A
+/// hardware fault hits every domain of the GPU. An isolation source naming a registered task of
+/// the GPU narrows an isolatable fault to that task's job.
 pub fn decide(
     ev: &FaultEvent,
     reg: &Registry,
@@ -82,23 +99,60 @@ pub fn decide(
 ) -> Decision {
     let class = classifier.class_of_all(&ev.xids);
     let policy = classifier.policy(class);
-    let on_gpu = reg.jobs_on_gpu(ev.gpu);
-    let all = reg.jobs();
-    let culprit_job = ev.culprit.and_then(&owner_of);
-    let mut actions = Vec::new();
-
-    let hit: BTreeSet<u32> = match policy.radius {
-        BlastRadius::None => BTreeSet::new(),
-        // Only an isolation source may narrow the hit set; the kernel's Xid pid never does.
-        BlastRadius::Gpu if policy.isolatable && ev.contained && ev.culprit.is_some() => {
-            culprit_job.into_iter().collect()
-        }
-        BlastRadius::Gpu => on_gpu.clone(),
+    let by_domain = jobs_by_domain(reg.tasks(), ev.gpu);
+    let domain_of_job = |job: u32| {
+        by_domain
+            .iter()
+            .find(|(_, jobs)| jobs.contains(&job))
+            .map(|(d, _)| *d)
     };
-
+    // A culprit named by the isolation source counts only when it is a registered task here; its
+    // domain is then known to have faulted. A contained fault of an isolatable class hit it alone.
+    let named = ev
+        .culprit
+        .and_then(&owner_of)
+        .filter(|j| domain_of_job(*j).is_some())
+        .filter(|_| policy.radius != BlastRadius::None);
+    let isolated = named.filter(|_| policy.isolatable && ev.contained);
+    let mut awaiting_domain = false;
+    let mut culprit = named.map(|j| (j, CulpritEvidence::Isolation));
+    let hit_domains: BTreeSet<DomainId> = match (policy.radius, isolated) {
+        (BlastRadius::None, _) => BTreeSet::new(),
+        (_, Some(job)) => domain_of_job(job).into_iter().collect(),
+        (BlastRadius::Gpu, None) => by_domain.keys().copied().collect(),
+        (BlastRadius::Domain, None) => {
+            let shown: BTreeSet<DomainId> = ev
+                .domains
+                .iter()
+                .map(|&slot| DomainId { gpu: ev.gpu, slot })
+                .chain(named.and_then(domain_of_job))
+                .collect();
+            awaiting_domain = shown.is_empty() && !by_domain.is_empty();
+            shown
+        }
+    };
+    let hit: BTreeSet<u32> = match isolated {
+        Some(job) => [job].into(),
+        None => hit_domains
+            .iter()
+            .filter_map(|d| by_domain.get(d))
+            .flatten()
+            .copied()
+            .collect(),
+    };
+    // One domain, one job: nobody else's work ran in that server, so the job faulted itself.
+    if culprit.is_none() && policy.radius == BlastRadius::Domain && hit_domains.len() == 1 {
+        if let [job] = hit.iter().copied().collect::<Vec<_>>()[..] {
+            culprit = Some((job, CulpritEvidence::SoleTenant));
+        }
+    }
+    let mut actions = Vec::new();
     if let Some(pid) = ev.culprit {
-        if policy.radius == BlastRadius::Gpu {
-            actions.push(Action::TerminateClient { gpu: ev.gpu, pid });
+        if policy.radius != BlastRadius::None {
+            let domain = owner_of(pid)
+                .and_then(domain_of_job)
+                .unwrap_or(DomainId::shared(ev.gpu));
+            actions.push(Action::TerminateClient { domain, pid });
         }
     }
 
@@ -109,7 +163,7 @@ pub fn decide(
             .collect();
         let Some(first) = tasks.first() else { continue };
         let (mode, batch) = (first.mode, reg.tasks().any(|t| t.job_id == job && t.batch));
-        if Some(job) == culprit_job {
+        if culprit == Some((job, CulpritEvidence::Isolation)) {
             // Restarting the culprit would fault again.
             for t in &tasks {
                 actions.push(Action::FailTask {
@@ -168,12 +222,14 @@ pub fn decide(
         });
     }
 
-    let spared = all.difference(&hit).copied().collect();
+    let spared = reg.jobs().difference(&hit).copied().collect();
     Decision {
         class,
         hit,
         spared,
-        culprit_job,
+        hit_domains,
+        awaiting_domain,
+        culprit,
         actions,
     }
 }
@@ -199,6 +255,7 @@ mod tests {
             restart_count: 0,
             start_ticks: None,
             trusted: true,
+            domains: Vec::new(),
         }
     }
 
@@ -223,6 +280,8 @@ mod tests {
             reported_pid: Some(101),
             culprit: None,
             contained: false,
+            // The shared domain's server.log showed the fault (as on a real node).
+            domains: [0].into(),
             first: Instant::now(),
             first_ms: 0,
             last: Instant::now(),
@@ -261,7 +320,7 @@ mod tests {
             ]
         );
         // The kernel's pid (101) did not make job 1 a culprit.
-        assert_eq!(d.culprit_job, None);
+        assert_eq!(d.culprit_job(), None);
     }
 
     #[test]
@@ -275,7 +334,10 @@ mod tests {
         assert_eq!(
             d.actions,
             vec![
-                Action::TerminateClient { gpu: 0, pid: 201 },
+                Action::TerminateClient {
+                    domain: DomainId::shared(0),
+                    pid: 201
+                },
                 Action::FailTask {
                     job_id: 2,
                     step_id: 0,
@@ -294,9 +356,10 @@ mod tests {
         let d = run(&e);
         assert_eq!(d.class, FaultClass::AppSm);
         assert_eq!(d.hit, [1, 2, 3, 5].into());
-        assert!(d
-            .actions
-            .contains(&Action::TerminateClient { gpu: 0, pid: 101 }));
+        assert!(d.actions.contains(&Action::TerminateClient {
+            domain: DomainId::shared(0),
+            pid: 101
+        }));
         // Culprit job failed, not requeued; the others recovered.
         assert!(!d.actions.contains(&Action::Requeue { job_id: 1 }));
         assert!(d.actions.contains(&Action::Requeue { job_id: 5 }));
@@ -386,5 +449,102 @@ mod tests {
         r.register(step).unwrap();
         let d = decide(&ev(0, &[31]), &r, &Classifier::default(), "n1", |_| None);
         assert_eq!(d.actions, vec![Action::Requeue { job_id: 8 }]);
+    }
+
+    fn in_domain(mut t: Task, slot: u32) -> Task {
+        t.domains = t.gpus.iter().map(|&gpu| DomainId { gpu, slot }).collect();
+        t
+    }
+
+    /// GPU 0: jobs 11 and 12 in domains of their own (slots 1, 2); jobs 13 and 14 shared.
+    fn domains_reg() -> Registry {
+        let mut r = Registry::default();
+        r.register(in_domain(task(11, 1101, &[0], Mode::Requeue, true), 1))
+            .unwrap();
+        r.register(in_domain(task(12, 1201, &[0], Mode::Requeue, true), 2))
+            .unwrap();
+        r.register(task(13, 1301, &[0], Mode::Requeue, true))
+            .unwrap();
+        r.register(task(14, 1401, &[0], Mode::Resume, false))
+            .unwrap();
+        r
+    }
+
+    fn run_domains(xids: &[u32], shown: &[u32]) -> Decision {
+        let mut e = ev(0, xids);
+        e.domains = shown.iter().copied().collect();
+        decide(&e, &domains_reg(), &Classifier::default(), "n1", |_| None)
+    }
+
+    #[test]
+    fn app_fault_hits_only_the_domain_that_showed_it_and_names_a_sole_tenant() {
+        for xid in [31, 43, 13] {
+            let d = run_domains(&[xid], &[1]);
+            assert_eq!(d.hit, [11].into(), "xid {xid}");
+            assert_eq!(d.hit_domains, [DomainId { gpu: 0, slot: 1 }].into());
+            assert_eq!(d.spared, [12, 13, 14].into());
+            assert_eq!(d.culprit, Some((11, CulpritEvidence::SoleTenant)));
+            assert_eq!(d.actions, vec![Action::Requeue { job_id: 11 }]);
+        }
+        let d = run_domains(&[13, 43], &[0]);
+        assert_eq!(d.hit, [13, 14].into());
+        assert_eq!(d.culprit, None, "two tenants: not known");
+        assert!(!d.awaiting_domain);
+    }
+
+    #[test]
+    fn app_fault_no_domain_showed_hits_nobody_and_waits() {
+        let d = run_domains(&[31], &[]);
+        assert!(d.hit.is_empty() && d.actions.is_empty());
+        assert!(d.awaiting_domain);
+        assert!(d.hit_domains.is_empty());
+        // The kernel's pid is never evidence.
+        let mut e = ev(0, &[31]);
+        e.domains.clear();
+        e.reported_pid = Some(1101);
+        let d = decide(&e, &domains_reg(), &Classifier::default(), "n1", |p| {
+            Some(p / 100)
+        });
+        assert!(d.hit.is_empty() && d.awaiting_domain);
+    }
+
+    #[test]
+    fn hardware_fault_hits_every_domain_of_the_gpu() {
+        let d = run_domains(&[79], &[]);
+        assert_eq!(d.hit, [11, 12, 13, 14].into());
+        assert_eq!(d.hit_domains.len(), 3);
+        assert!(!d.awaiting_domain);
+        assert_eq!(d.culprit, None);
+    }
+
+    #[test]
+    fn isolation_culprit_counts_only_when_registered_on_that_gpu() {
+        // Named and registered: it alone, failed; its domain is the evidence.
+        let mut e = ev(0, &[31]);
+        e.domains.clear();
+        e.culprit = Some(1201);
+        e.contained = true;
+        let d = decide(&e, &domains_reg(), &Classifier::default(), "n1", |p| {
+            Some(p / 100)
+        });
+        assert_eq!(d.hit, [12].into());
+        assert_eq!(d.culprit, Some((12, CulpritEvidence::Isolation)));
+        assert!(matches!(d.actions[1], Action::FailTask { job_id: 12, .. }));
+        // A pid that is no registered task here: falls back to what the domains show.
+        e.culprit = Some(999_999);
+        e.domains = [0].into();
+        let d = decide(&e, &domains_reg(), &Classifier::default(), "n1", |_| None);
+        assert_eq!(d.hit, [13, 14].into());
+        assert_eq!(d.culprit, None);
+        // Not contained (SM fault): the culprit's whole domain is hit, the culprit failed.
+        let mut e = ev(0, &[43]);
+        e.domains.clear();
+        e.culprit = Some(1101);
+        let d = decide(&e, &domains_reg(), &Classifier::default(), "n1", |p| {
+            Some(p / 100)
+        });
+        assert_eq!(d.hit, [11].into());
+        assert_eq!(d.hit_domains, [DomainId { gpu: 0, slot: 1 }].into());
+        assert!(matches!(d.actions[1], Action::FailTask { job_id: 11, .. }));
     }
 }

@@ -9,6 +9,8 @@ pub enum Source {
     Nvml,
     Kmsg,
     MpsLog,
+    /// A domain's server seen in FAULT (`get_server_status`), probed after a GPU-wide signal.
+    MpsStatus,
     ClientExit,
     /// The driver patch's isolation line.
     Isolation,
@@ -21,6 +23,7 @@ impl Source {
             Source::Nvml => "nvml",
             Source::Kmsg => "kmsg",
             Source::MpsLog => "mps_log",
+            Source::MpsStatus => "mps_status",
             Source::ClientExit => "client_exit",
             Source::Isolation => "isolation",
             Source::Sim => "sim",
@@ -45,6 +48,9 @@ pub struct Signal {
     pub reported_pid: Option<u32>,
     /// Set only by an isolation source: the process that really faulted, and whether it was contained.
     pub culprit: Option<(u32, bool)>,
+    /// The fault domain (slot on this GPU) whose server showed the fault: its server.log's fatal
+    /// error line or its state. GPU-wide sources (NVML, kernel log) leave it unset.
+    pub domain: Option<u32>,
     pub secondary: bool,
     pub detail: String,
     pub at: Instant,
@@ -59,6 +65,7 @@ impl Signal {
             xid,
             reported_pid: None,
             culprit: None,
+            domain: None,
             secondary: false,
             detail: String::new(),
             at: Instant::now(),
@@ -85,6 +92,8 @@ pub struct FaultEvent {
     pub culprit: Option<u32>,
     /// The isolation source says the fault was contained to the culprit.
     pub contained: bool,
+    /// Slots of the GPU's fault domains whose servers showed this fault.
+    pub domains: BTreeSet<u32>,
     pub first: Instant,
     pub first_ms: u64,
     pub last: Instant,
@@ -101,6 +110,7 @@ impl FaultEvent {
             reported_pid: None,
             culprit: None,
             contained: false,
+            domains: BTreeSet::new(),
             first: s.at,
             first_ms: s.at_ms,
             last: s.at,
@@ -117,6 +127,7 @@ impl FaultEvent {
             }
         }
         self.sources.insert(s.source);
+        self.domains.extend(s.domain);
         if self.reported_pid.is_none() {
             self.reported_pid = s.reported_pid;
         }
@@ -138,7 +149,7 @@ impl FaultEvent {
 pub enum Merge {
     /// A new fault started (its id).
     New(u64),
-    /// Added to an open fault; `changed` is true when it brought a new Xid or culprit.
+    /// Added to an open fault; `changed` is true when it brought a new Xid, culprit or domain.
     Joined { id: u64, changed: bool },
     /// The signal has no Xid and no open fault to join (e.g. a stray client exit): not a fault.
     Ignored,
@@ -163,12 +174,13 @@ impl Correlator {
         self.open
             .retain(|e| s.at.saturating_duration_since(e.last) <= window);
         if let Some(e) = self.open.iter_mut().find(|e| e.gpu == gpu) {
-            let before = (e.xids.len(), e.culprit);
+            let before = (e.xids.len(), e.culprit, e.domains.len());
             e.absorb(s);
-            let changed = (e.xids.len(), e.culprit) != before;
+            let changed = (e.xids.len(), e.culprit, e.domains.len()) != before;
             return Merge::Joined { id: e.id, changed };
         }
-        if s.xid.is_none() && s.culprit.is_none() {
+        // A domain's server in FAULT is a fault even before its Xid arrives.
+        if s.xid.is_none() && s.culprit.is_none() && s.domain.is_none() {
             return Merge::Ignored;
         }
         let id = next_id();
@@ -261,6 +273,55 @@ mod tests {
                 &mut id
             ),
             Merge::Ignored
+        );
+    }
+
+    #[test]
+    fn a_domain_in_fault_opens_a_fault_and_a_new_domain_changes_it() {
+        let mut c = Correlator::new(Duration::from_millis(500));
+        let t = Instant::now();
+        let mut n = 0;
+        let mut id = || {
+            n += 1;
+            n
+        };
+        let mut log = sig(Source::MpsLog, None, t);
+        log.domain = Some(2);
+        assert_eq!(c.merge(0, &log, &mut id), Merge::New(1));
+        let nv = sig(Source::Nvml, Some(31), t + Duration::from_millis(1));
+        assert_eq!(
+            c.merge(0, &nv, &mut id),
+            Merge::Joined {
+                id: 1,
+                changed: true
+            }
+        );
+        // The same domain again changes nothing; another one does.
+        let mut again = sig(Source::MpsStatus, None, t + Duration::from_millis(2));
+        again.domain = Some(2);
+        assert_eq!(
+            c.merge(0, &again, &mut id),
+            Merge::Joined {
+                id: 1,
+                changed: false
+            }
+        );
+        again.domain = Some(0);
+        assert_eq!(
+            c.merge(0, &again, &mut id),
+            Merge::Joined {
+                id: 1,
+                changed: true
+            }
+        );
+        assert_eq!(
+            c.get(1)
+                .unwrap()
+                .domains
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![0, 2]
         );
     }
 }

@@ -2,11 +2,11 @@
 //! (SO_PEERCRED); root and configured trusted uids (SlurmUser) may touch all.
 
 use crate::agent::Agent;
+use crate::domain::{paths, Placement, PlacementError};
 use crate::registry::{procfs, Task};
-use crate::server::PeerCred;
 use mpsr_proto::{
-    DecisionRecord, ErrorCode, GpuContext, GpuStatus, HealthReply, JobReport, Registration,
-    Request, Response, StatusReply,
+    DecisionRecord, DomainId, ErrorCode, GpuContext, GpuStatus, HealthReply, Isolation, JobReport,
+    PeerCred, Registration, Request, Response, StatusReply,
 };
 use std::time::Duration;
 
@@ -80,7 +80,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let prefix = format!("{job_id}.");
             st.d.resume.retain(|k, _| !k.starts_with(&prefix));
             if restart_count > 0 {
-                crate::agent::push_outcome(
+                crate::state::push_outcome(
                     &mut st.d.outcomes,
                     job_id,
                     format!(
@@ -104,7 +104,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             st.d.resume.retain(|k, _| !k.starts_with(&prefix));
             let rep = job_report(&st.history, &st.d.outcomes, job_id);
             if let Some(uid) = owner.or_else(|| st.d.finished.get(&job_id).map(|f| f.0)) {
-                crate::agent::archive_report(&mut st.d, uid, rep.clone());
+                crate::state::archive_report(&mut st.d, uid, rep.clone());
             }
             drop(st);
             agent.mark_dirty();
@@ -233,11 +233,16 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 ),
             }
         }
-        Request::SimInject { gpu, xid, culprit } => {
+        Request::SimInject {
+            gpu,
+            xid,
+            culprit,
+            slot,
+        } => {
             if !trusted {
                 return denied("fault injection is for root only");
             }
-            match agent.backend.sim_inject(gpu, xid, culprit) {
+            match agent.backend.sim_inject(gpu, xid, culprit, slot) {
                 Ok(killed) => Response::Injected {
                     fault_id_hint: agent.state().d.next_fault_id + 1,
                     killed,
@@ -254,15 +259,19 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 Err(e) => Response::error(ErrorCode::Unsupported, e.to_string()),
             }
         }
-        Request::TerminateClient { gpu, pid } => {
+        Request::TerminateClient { gpu, pid, slot } => {
             if !trusted {
                 return denied("terminating MPS clients is for root only");
             }
             if gpu as usize >= agent.backend.gpus().len() {
                 return Response::error(ErrorCode::NotFound, format!("no GPU {gpu}"));
             }
-            tracing::info!(gpu, pid, peer_uid = peer.uid, "terminate_client requested");
-            match agent.backend.terminate_client(gpu, pid) {
+            let domain = DomainId {
+                gpu,
+                slot: slot.unwrap_or(0),
+            };
+            tracing::info!(%domain, pid, peer_uid = peer.uid, "terminate_client requested");
+            match agent.backend.terminate_client(domain, pid) {
                 Ok(()) => Response::Ok,
                 Err(e) => Response::error(ErrorCode::Internal, e.to_string()),
             }
@@ -284,28 +293,49 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
     }
 }
 
+/// The shared domain's context of each GPU: what a task uses when it cannot register (agent down).
 fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
     let mut out = Vec::new();
     for g in gpus {
-        let Some(info) = agent.backend.gpus().get(*g as usize) else {
+        if *g as usize >= agent.backend.gpus().len() {
             return Response::error(
                 ErrorCode::NotFound,
                 format!("no GPU {g} on node {}", agent.node),
             );
-        };
-        out.push(GpuContext {
-            gpu: *g,
-            uuid: info.uuid.clone(),
-            pipe_dir: info.pipe_dir.clone(),
-            log_dir: info.log_dir.clone(),
-            state: agent.backend.server_state(*g),
-            keeper_socket: agent
-                .keepers
-                .enabled()
-                .then(|| agent.keepers.socket(*g).display().to_string()),
-        });
+        }
+        out.push(context(
+            agent,
+            &Placement {
+                domain: DomainId::shared(*g),
+                isolation: Isolation::Shared,
+                quarantined: false,
+            },
+        ));
     }
     Response::GpuContexts { contexts: out }
+}
+
+fn context(agent: &Agent, p: &Placement) -> GpuContext {
+    let gpu = p.domain.gpu;
+    let (pipe, log) = paths(&agent.cfg.run_dir, p.domain);
+    GpuContext {
+        gpu,
+        uuid: agent
+            .backend
+            .gpus()
+            .get(gpu as usize)
+            .map(|i| i.uuid.clone())
+            .unwrap_or_default(),
+        domain: p.domain,
+        isolation: p.isolation,
+        pipe_dir: pipe.display().to_string(),
+        log_dir: log.display().to_string(),
+        state: agent.backend.server_state(p.domain),
+        keeper_socket: agent
+            .keepers
+            .enabled()
+            .then(|| agent.keepers.socket(gpu).display().to_string()),
+    }
 }
 
 fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Response {
@@ -358,9 +388,61 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
         gpus = ?r.gpus,
         mode = %r.mode,
         batch = r.batch,
+        isolation = ?r.isolation,
         "task registered"
     );
-    let task = Task::from_registration(&r, uid, Some(start), trusted);
+    // Placement needs the job's owner: only a registration from slurmstepd (trusted) may create
+    // or join a job or user domain; a user's own extra registration goes where the job already is.
+    let placed = if trusted {
+        match agent.place_task(
+            r.job_id,
+            uid,
+            &r.gpus,
+            r.isolation,
+            (r.threads_pct, r.mem_limit),
+        ) {
+            Ok(p) => p,
+            Err(PlacementError::Refused(e)) => {
+                tracing::warn!(job = r.job_id, uid, error = %e, "placement refused");
+                return Response::error(ErrorCode::Refused, e.to_string());
+            }
+            Err(e) => {
+                tracing::error!(job = r.job_id, error = %e, "placement failed");
+                return Response::error(ErrorCode::Internal, e.to_string());
+            }
+        }
+    } else {
+        let st = agent.state();
+        r.gpus
+            .iter()
+            .map(|g| {
+                let domain =
+                    st.d.registry
+                        .tasks()
+                        .filter(|t| t.job_id == r.job_id && t.uid == uid)
+                        .find_map(|t| t.domain_on(*g))
+                        .unwrap_or(DomainId::shared(*g));
+                Placement {
+                    domain,
+                    isolation: match st.d.domains.tenancy(domain) {
+                        crate::domain::Tenancy::Shared => Isolation::Shared,
+                        crate::domain::Tenancy::Job(_) => Isolation::Job,
+                        crate::domain::Tenancy::User(_) => Isolation::User,
+                    },
+                    quarantined: false,
+                }
+            })
+            .collect()
+    };
+    let mut task = Task::from_registration(&r, uid, Some(start), trusted);
+    task.domains = placed
+        .iter()
+        .map(|p| p.domain)
+        .filter(|d| !d.is_shared())
+        .collect();
+    for p in placed.iter().filter(|p| p.quarantined) {
+        tracing::warn!(job = r.job_id, uid, domain = %p.domain, "quarantined culprit placed in a domain of its own");
+    }
     let gen = {
         let mut st = agent.state();
         match st.d.registry.register(task.clone()) {
@@ -394,7 +476,9 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
             "registration not yet persisted (state dir slow?)",
         );
     }
-    Response::Ok
+    Response::Registered {
+        contexts: placed.iter().map(|p| context(agent, p)).collect(),
+    }
 }
 
 fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
@@ -410,18 +494,21 @@ fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
             st.d.unhealthy.clone(),
         )
     };
+    let own: Option<std::collections::BTreeSet<u32>> =
+        (!trusted).then(|| tasks.iter().map(|t| t.job_id).collect());
     let gpus = agent
         .backend
         .gpus()
         .iter()
         .map(|g| GpuStatus {
+            domains: agent.domain_status(g.index, own.as_ref()),
             gpu: g.index,
             uuid: g.uuid.clone(),
             pci_bus_id: g.pci.to_string(),
-            state: agent.backend.server_state(g.index),
+            state: agent.backend.server_state(DomainId::shared(g.index)),
             // Client pids of other users are not shown to a user.
             clients: if trusted {
-                agent.backend.clients(g.index)
+                agent.backend.clients(DomainId::shared(g.index))
             } else {
                 vec![]
             },

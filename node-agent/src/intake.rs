@@ -1,15 +1,18 @@
 //! Fault intake threads for real nodes: `/dev/kmsg` (NVRM Xid lines, resuming after the last sequence
-//! number seen in this boot) and MPS control.log tailing. Each turns lines into [`Signal`]s.
+//! number seen in this boot) and tailing each fault domain's MPS logs. Each turns lines into [`Signal`]s.
 
 use crate::event::{GpuRef, Signal, Source};
 use crate::kmsg;
 use crate::mps::{parse_control_log, ControlLogEvent};
+use mpsr_proto::DomainId;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,18 +102,19 @@ fn kmsg_loop(
     }
 }
 
-/// Tails one of a GPU's MPS logs (control.log, server.log) from its current end; fault lines become
-/// signals without an Xid (they confirm a fault; they do not start one).
-pub fn spawn_control_log_tail(gpu: u32, path: PathBuf, tx: Sender<Signal>) {
+/// Tails one of a domain's MPS logs (server.log, control.log) from its current end until `stop`.
+/// A fatal-error line is the domain's own evidence that *its* server faulted: it becomes a signal
+/// for that domain (without an Xid: it joins the fault, or opens one the Xid then joins).
+pub fn spawn_log_tail(domain: DomainId, path: PathBuf, tx: Sender<Signal>, stop: Arc<AtomicBool>) {
     let _ = std::thread::Builder::new()
-        .name(format!("mpslog{gpu}"))
-        .spawn(move || tail_loop(gpu, &path, tx));
+        .name(format!("mpslog{}.{}", domain.gpu, domain.slot))
+        .spawn(move || tail_loop(domain, &path, tx, &stop));
 }
 
-fn tail_loop(gpu: u32, path: &Path, tx: Sender<Signal>) {
+fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBool) {
     let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-    loop {
-        std::thread::sleep(Duration::from_millis(100));
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(50));
         let Ok(mut f) = File::open(path) else {
             continue;
         };
@@ -129,8 +133,9 @@ fn tail_loop(gpu: u32, path: &Path, tx: Sender<Signal>) {
             }
             pos += n as u64;
             if let Some(ControlLogEvent::Fault) = parse_control_log(line.trim_end()) {
-                let mut s = Signal::new(Source::MpsLog, GpuRef::Index(gpu), None);
-                s.detail = line.trim().to_string();
+                let mut s = Signal::new(Source::MpsLog, GpuRef::Index(domain.gpu), None);
+                s.domain = Some(domain.slot);
+                s.detail = format!("{domain}: {}", line.trim());
                 if tx.send(s).is_err() {
                     return;
                 }

@@ -1,12 +1,15 @@
 //! mps-resilient node agent. Data path: intake (`backend`, `intake`, `kmsg`) -> `event` correlation ->
-//! `xid` classification -> `decide` -> `agent` actions (`mps` terminate_client, `slurm` requeue/drain,
-//! resume board). `server` + `handlers` serve the plugin and `mpsrctl`; `registry` + `persist` keep jobs.
+//! `xid` classification -> `decide` (which fault `domain` showed it) -> `faults` records the actions
+//! (`slurm_exec` requeue/drain, resume board, `recovery` watches servers back). `server` + `handlers`
+//! serve the plugin and `mpsrctl`; `registry`, `state`, `persister`, `journal` keep jobs and domains.
 
 pub mod agent;
 pub mod backend;
 pub mod config;
 pub mod decide;
+pub mod domain;
 pub mod event;
+pub mod faults;
 pub mod handlers;
 pub mod intake;
 pub mod journal;
@@ -15,9 +18,12 @@ pub mod kmsg;
 pub mod logging;
 pub mod mps;
 pub mod persist;
+pub mod persister;
+pub mod recovery;
 pub mod registry;
 pub mod server;
-pub mod simgpu;
 pub mod slurm;
+pub mod slurm_exec;
 pub mod spawn;
+pub mod state;
 pub mod xid;

@@ -1,6 +1,7 @@
-//! One real MPS control daemon per GPU, driven through `nvidia-cuda-mps-control` with bounded waits.
+//! One real MPS control daemon per fault domain, driven through `nvidia-cuda-mps-control` with
+//! bounded waits.
 
-use mpsr_proto::ServerState;
+use mpsr_proto::{DomainId, ServerState};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -21,7 +22,7 @@ pub enum MpsError {
 
 #[derive(Debug, Clone)]
 pub struct MpsDaemon {
-    pub gpu: u32,
+    pub domain: DomainId,
     pub uuid: String,
     pub pipe_dir: PathBuf,
     pub log_dir: PathBuf,
@@ -35,18 +36,33 @@ impl MpsDaemon {
         let mut c = Command::new(&self.binary);
         c.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
             .env("CUDA_MPS_LOG_DIRECTORY", &self.log_dir)
-            // The daemon and its server see only this GPU: one fault domain per GPU.
+            // The daemon and its server see only this GPU.
             .env("CUDA_VISIBLE_DEVICES", &self.uuid);
         c
     }
 
-    /// Starts the daemon (`-d`), unless one already answers on this pipe dir.
-    pub fn start(&self) -> Result<(), MpsError> {
+    /// Starts the daemon (`-d`), unless one already answers on this pipe dir. With `owner_uid`,
+    /// the pipe directory belongs to that uid (mode 0700): no other user's process can become a
+    /// client of this domain's server. Its log directory belongs to that uid too (0755): the
+    /// server, which runs as the client's user, writes server.log there; the agent reads it.
+    pub fn start(&self, owner_uid: Option<u32>) -> Result<(), MpsError> {
+        let dir_err = |d: &Path| {
+            let binary = d.display().to_string();
+            move |source| MpsError::Spawn { binary, source }
+        };
         for d in [&self.pipe_dir, &self.log_dir] {
-            std::fs::create_dir_all(d).map_err(|source| MpsError::Spawn {
-                binary: d.display().to_string(),
-                source,
-            })?;
+            std::fs::create_dir_all(d).map_err(dir_err(d))?;
+        }
+        if let Some(uid) = owner_uid {
+            use std::os::unix::fs::PermissionsExt;
+            std::os::unix::fs::chown(&self.pipe_dir, Some(uid), None)
+                .map_err(dir_err(&self.pipe_dir))?;
+            std::fs::set_permissions(&self.pipe_dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(dir_err(&self.pipe_dir))?;
+            std::os::unix::fs::chown(&self.log_dir, Some(uid), None)
+                .map_err(dir_err(&self.log_dir))?;
+            std::fs::set_permissions(&self.log_dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(dir_err(&self.log_dir))?;
         }
         if self.server_list().is_ok() {
             return Ok(());
@@ -104,16 +120,20 @@ impl MpsDaemon {
             .map(|_| ())
     }
 
-    pub fn set_defaults(&self, thread_pct: u8, mem_limit: &str) -> Result<(), MpsError> {
-        if thread_pct < 100 {
-            self.send(&format!(
-                "set_default_active_thread_percentage {thread_pct}"
-            ))?;
+    /// Limits for every client of this domain's server (a client can only lower them).
+    pub fn set_defaults(
+        &self,
+        thread_pct: Option<u8>,
+        mem_limit: Option<u64>,
+    ) -> Result<(), MpsError> {
+        if let Some(p) = thread_pct.filter(|p| *p < 100) {
+            self.send(&format!("set_default_active_thread_percentage {p}"))?;
         }
-        if !mem_limit.is_empty() {
+        if let Some(bytes) = mem_limit {
             // Device 0: inside the daemon's CUDA_VISIBLE_DEVICES the one GPU is ordinal 0.
             self.send(&format!(
-                "set_default_device_pinned_mem_limit 0 {mem_limit}"
+                "set_default_device_pinned_mem_limit 0 {}",
+                mem_limit_arg(bytes)
             ))?;
         }
         Ok(())
@@ -297,12 +317,15 @@ fn join_bounded(h: std::thread::JoinHandle<String>, wait: Duration) -> String {
     }
 }
 
-pub fn pipe_dir(run_dir: &Path, gpu: u32) -> PathBuf {
-    run_dir.join(format!("gpu{gpu}")).join("pipe")
-}
-
-pub fn log_dir(run_dir: &Path, gpu: u32) -> PathBuf {
-    run_dir.join(format!("gpu{gpu}")).join("log")
+/// A byte count as MPS limit syntax: whole GiB as `NG`, else MiB rounded up (`NM`).
+pub fn mem_limit_arg(bytes: u64) -> String {
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+    if bytes.is_multiple_of(GIB) {
+        format!("{}G", bytes / GIB)
+    } else {
+        format!("{}M", bytes.div_ceil(MIB))
+    }
 }
 
 #[cfg(test)]
@@ -372,6 +395,13 @@ mod tests {
         .unwrap();
         assert!(ok);
         assert_eq!(out, "get_server_list");
+    }
+
+    #[test]
+    fn mem_limits_in_mps_syntax() {
+        assert_eq!(mem_limit_arg(16 << 30), "16G");
+        assert_eq!(mem_limit_arg(512 << 20), "512M");
+        assert_eq!(mem_limit_arg((1 << 20) + 1), "2M");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Which tasks of which jobs use which GPU through the agent's MPS daemons.
 
-use mpsr_proto::{Mode, Registration, TaskStatus};
+use mpsr_proto::{DomainId, Mode, Registration, TaskStatus};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -21,6 +21,9 @@ pub struct Task {
     /// Registered by slurmstepd/root (the plugin), not by the user: it says who owns the job.
     #[serde(default)]
     pub trusted: bool,
+    /// The fault domain used on each GPU; a GPU not listed uses its shared domain.
+    #[serde(default)]
+    pub domains: Vec<DomainId>,
 }
 
 impl Task {
@@ -46,7 +49,26 @@ impl Task {
             restart_count: r.restart_count,
             start_ticks,
             trusted,
+            domains: Vec::new(),
         }
+    }
+
+    /// The domain this task uses on `gpu`, if it uses that GPU.
+    pub fn domain_on(&self, gpu: u32) -> Option<DomainId> {
+        if !self.gpus.contains(&gpu) {
+            return None;
+        }
+        Some(
+            self.domains
+                .iter()
+                .copied()
+                .find(|d| d.gpu == gpu)
+                .unwrap_or(DomainId::shared(gpu)),
+        )
+    }
+
+    pub fn in_domain(&self, d: DomainId) -> bool {
+        self.domain_on(d.gpu) == Some(d)
     }
 
     pub fn status(&self) -> TaskStatus {
@@ -58,6 +80,11 @@ impl Task {
             gpus: self.gpus.clone(),
             mode: self.mode,
             batch: self.batch,
+            domains: self
+                .gpus
+                .iter()
+                .filter_map(|g| self.domain_on(*g))
+                .collect(),
         }
     }
 }
@@ -312,6 +339,7 @@ pub(crate) mod tests {
             restart_count: 0,
             start_ticks: None,
             trusted: false,
+            domains: Vec::new(),
         }
     }
 

@@ -93,8 +93,11 @@ impl fmt::Display for FaultClass {
 pub enum BlastRadius {
     /// Nobody.
     None,
-    /// Every client of the GPU's MPS server (measured: stock MPS kills all clients with work in flight),
-    /// narrowed to the culprit only when an isolation source names it and the class is isolatable.
+    /// Every client of the MPS server the fault happened in (measured: an application fault kills
+    /// its server's clients; other servers of the same GPU run on), narrowed to the culprit only
+    /// when an isolation source names it and the class is isolatable.
+    Domain,
+    /// Every client of every fault domain of the GPU (hardware).
     Gpu,
 }
 
@@ -134,8 +137,8 @@ impl ClassPolicy {
         match class {
             FaultClass::Info => p(R::None, A::None, false, false),
             FaultClass::Unknown => p(R::None, A::None, false, false),
-            FaultClass::AppMemory => p(R::Gpu, A::Recover, false, true),
-            FaultClass::AppSm => p(R::Gpu, A::Recover, false, false),
+            FaultClass::AppMemory => p(R::Domain, A::Recover, false, true),
+            FaultClass::AppSm => p(R::Domain, A::Recover, false, false),
             FaultClass::HwContained => p(R::Gpu, A::Recover, false, false),
             FaultClass::HwUncontained => p(R::Gpu, A::RequeueOnly, true, false),
             FaultClass::Interconnect => p(R::Gpu, A::RequeueOnly, true, false),

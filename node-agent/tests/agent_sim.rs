@@ -16,6 +16,11 @@ struct Env {
 
 impl Env {
     fn new(extra: &str) -> Env {
+        Env::with("", "", extra)
+    }
+
+    /// `top`: top-level keys; `mps`: keys of [mps]; `extra`: further tables.
+    fn with(top: &str, mps: &str, extra: &str) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let shim = d.join("scontrol");
@@ -29,7 +34,7 @@ impl Env {
         std::fs::write(
             d.join("agent.toml"),
             format!(
-                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n[faults]\nkmsg = false\n{extra}",
+                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n{top}[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n{mps}[faults]\nkmsg = false\n{extra}",
                 d.display()
             ),
         )
@@ -86,7 +91,7 @@ impl Env {
 
     #[allow(clippy::zombie_processes)] // reaped by Proc's Drop
     fn client(&self, gpu: u32, secs: f64, idle: bool) -> Proc {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"));
+        let mut c = Command::new(simclient());
         c.arg("--seconds").arg(secs.to_string());
         if idle {
             c.arg("--idle");
@@ -117,7 +122,10 @@ impl Env {
         let r = self
             .call(&Request::Register(reg(job, pid, gpus, mode, batch)))
             .unwrap();
-        assert_eq!(r, Response::Ok, "register job {job}");
+        assert!(
+            matches!(r, Response::Registered { .. }),
+            "register job {job}: {r:?}"
+        );
     }
 
     fn events(&self) -> Vec<mpsr_proto::DecisionRecord> {
@@ -197,7 +205,13 @@ fn reg(job: u32, pid: u32, gpus: &[u32], mode: Mode, batch: bool) -> Registratio
         threads_pct: None,
         mem_limit: None,
         restart_count: 0,
+        isolation: None,
     }
+}
+
+/// The simulated MPS client, built next to the agent (crate mpsr-simgpu).
+fn simclient() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_mpsr-agent")).with_file_name("mpsr-simclient")
 }
 
 fn exit_code(c: &mut Child, within: Duration) -> Option<i32> {
@@ -232,6 +246,7 @@ fn xid31_hits_every_job_on_the_gpu_and_spares_the_other_gpu() {
             gpu: 0,
             xid: 31,
             culprit: Some(c2.id()),
+            slot: None,
         })
         .unwrap();
     let Response::Injected { mut killed, .. } = r else {
@@ -305,6 +320,7 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
         gpu: 0,
         xid: 43,
         culprit: None,
+        slot: None,
     })
     .unwrap();
     let mut refused = e.client_raw(0);
@@ -325,7 +341,7 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
 impl Env {
     fn client_raw(&self, gpu: u32) -> Proc {
         Proc(
-            Command::new(env!("CARGO_BIN_EXE_mpsr-simclient"))
+            Command::new(simclient())
                 .args(["--seconds", "0.1"])
                 .env(
                     "CUDA_MPS_PIPE_DIRECTORY",
@@ -350,6 +366,7 @@ fn isolation_source_narrows_hit_set_to_the_culprit() {
         gpu: 0,
         xid: 31,
         culprit: Some(b.id()),
+        slot: None,
     })
     .unwrap();
     assert_eq!(exit_code(&mut b, Duration::from_secs(5)), Some(1));
@@ -386,6 +403,7 @@ fn hardware_classes_drain_and_application_classes_do_not() {
         gpu: 1,
         xid: 79,
         culprit: None,
+        slot: None,
     })
     .unwrap();
     assert_eq!(exit_code(&mut c, Duration::from_secs(5)), Some(1));
@@ -411,6 +429,7 @@ fn hardware_classes_drain_and_application_classes_do_not() {
             gpu: 0,
             xid: x,
             culprit: None,
+            slot: None,
         })
         .unwrap();
         std::thread::sleep(Duration::from_millis(600)); // outside the correlation window
@@ -445,6 +464,7 @@ fn registry_survives_agent_restart_and_actions_are_not_duplicated() {
         gpu: 0,
         xid: 43,
         culprit: None,
+        slot: None,
     })
     .unwrap();
     e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 11"));
@@ -534,7 +554,10 @@ fn a_user_cannot_lie_about_uid_or_touch_another_users_job() {
     let me = std::process::id();
     let mut r = reg(21, me, &[0], Mode::Requeue, true);
     r.uid = Some(1000);
-    assert_eq!(e.call(&Request::Register(r)).unwrap(), Response::Ok);
+    assert!(matches!(
+        e.call(&Request::Register(r)).unwrap(),
+        Response::Registered { .. }
+    ));
     let ctl = env!("CARGO_BIN_EXE_mpsrctl");
     let sock = e.sock();
     let as_nobody = |args: &[&str]| {
@@ -663,6 +686,7 @@ fn a_victim_that_deregistered_just_before_the_fault_is_still_hit() {
         gpu: 0,
         xid: 43,
         culprit: None,
+        slot: None,
     })
     .unwrap();
     e.wait_for("requeue of the early-exited victim", |e| {
@@ -733,6 +757,7 @@ fn a_job_spanning_both_gpus_is_hit_as_a_whole_and_gpu1_keeps_serving() {
         gpu: 0,
         xid: 43,
         culprit: None,
+        slot: None,
     })
     .unwrap();
     assert_eq!(
@@ -759,4 +784,272 @@ fn a_job_spanning_both_gpus_is_hit_as_a_whole_and_gpu1_keeps_serving() {
     assert_eq!(exit_code(&mut other1, Duration::from_millis(10)), None);
     let _ = t1.kill();
     let _ = other1.kill();
+}
+
+/// A task as slurmstepd starts one: registered first (the agent places it in a fault domain), then
+/// it becomes the MPS client of that domain's server (same pid: `exec`).
+struct Gated {
+    proc: Proc,
+    domain: mpsr_proto::DomainId,
+}
+
+impl Env {
+    fn placed_client(
+        &self,
+        job: u32,
+        isolation: Option<mpsr_proto::Isolation>,
+        secs: u32,
+    ) -> Gated {
+        let mut child = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(format!(
+                "read d; CUDA_MPS_PIPE_DIRECTORY=\"$d\" exec {} --seconds {secs}",
+                simclient().display()
+            ))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut r = reg(job, child.id(), &[0], Mode::Requeue, true);
+        r.isolation = isolation;
+        let ctx = match self.call(&Request::Register(r)).unwrap() {
+            Response::Registered { contexts } => contexts.into_iter().next().unwrap(),
+            other => panic!("register job {job}: {other:?}"),
+        };
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "{}", ctx.pipe_dir).unwrap();
+        let (pid, domain) = (child.id(), ctx.domain);
+        self.wait_for("client attached to its domain", |e| {
+            e.domain(domain).is_some_and(|d| d.clients.contains(&pid))
+        });
+        Gated {
+            proc: Proc(child),
+            domain,
+        }
+    }
+
+    fn domain(&self, id: mpsr_proto::DomainId) -> Option<mpsr_proto::DomainStatus> {
+        let Ok(Response::Status(s)) = self.call(&Request::Status) else {
+            return None;
+        };
+        s.gpus
+            .get(id.gpu as usize)?
+            .domains
+            .iter()
+            .find(|d| d.domain == id)
+            .cloned()
+    }
+}
+
+fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions.
+    unsafe { libc::getuid() }
+}
+
+#[test]
+fn a_fault_hits_only_the_jobs_of_its_domain() {
+    use mpsr_proto::{CulpritEvidence, DomainId, Isolation};
+    let mut e = Env::with(&format!("trusted_uids = [0, {}]\n", uid()), "", "");
+    let mut a = e.placed_client(31, Some(Isolation::Job), 60);
+    let mut b = e.placed_client(32, Some(Isolation::Job), 60);
+    let mut c = e.placed_client(33, Some(Isolation::Shared), 60);
+    let mut d = e.placed_client(34, None, 60);
+    assert!(!a.domain.is_shared() && !b.domain.is_shared() && a.domain != b.domain);
+    assert_eq!(
+        (c.domain, d.domain),
+        (DomainId::shared(0), DomainId::shared(0))
+    );
+
+    // A fault in A's server: A alone dies, A alone is requeued, named the culprit.
+    let r = e
+        .call(&Request::SimInject {
+            gpu: 0,
+            xid: 31,
+            culprit: None,
+            slot: Some(a.domain.slot),
+        })
+        .unwrap();
+    let Response::Injected { killed, .. } = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(
+        killed,
+        vec![a.proc.id()],
+        "the simulator killed A's client only"
+    );
+    assert_eq!(exit_code(&mut a.proc, Duration::from_secs(5)), Some(1));
+    e.wait_for("requeue of A", |e| e.scontrol_log().contains("requeue 31"));
+    e.wait_for("A's decision", |e| {
+        e.events().first().is_some_and(|f| !f.hit_jobs.is_empty())
+    });
+    let f = e.events()[0].clone();
+    assert_eq!(f.hit_jobs, vec![31], "{f}");
+    assert_eq!(f.hit_domains, vec![a.domain], "{f}");
+    assert_eq!(f.spared_jobs, vec![32, 33, 34], "{f}");
+    assert_eq!(
+        (f.culprit_job, f.culprit_evidence),
+        (Some(31), Some(CulpritEvidence::SoleTenant))
+    );
+    // Its server said so: the server.log line or its state, whichever the agent saw first.
+    assert!(
+        f.sources
+            .iter()
+            .any(|s| s == "mps_log" || s == "mps_status"),
+        "{f}"
+    );
+    for (p, what) in [(&mut b.proc, "B"), (&mut c.proc, "C"), (&mut d.proc, "D")] {
+        assert_eq!(
+            exit_code(p, Duration::from_millis(200)),
+            None,
+            "{what} runs on"
+        );
+    }
+    assert_eq!(
+        e.domain(b.domain).unwrap().state,
+        mpsr_proto::ServerState::Active
+    );
+
+    // A fault in the shared server: C and D, not B.
+    std::thread::sleep(Duration::from_millis(600)); // outside the correlation window
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+        slot: Some(0),
+    })
+    .unwrap();
+    e.wait_for("requeue of C and D", |e| {
+        let l = e.scontrol_log();
+        l.contains("requeue 33") && l.contains("requeue 34")
+    });
+    let f = e.events().last().unwrap().clone();
+    assert_eq!(
+        (f.hit_jobs.clone(), f.hit_domains.clone()),
+        (vec![33, 34], vec![DomainId::shared(0)]),
+        "{f}"
+    );
+    assert_eq!(f.culprit_job, None, "two tenants: the culprit is not known");
+    assert_eq!(
+        exit_code(&mut b.proc, Duration::from_millis(200)),
+        None,
+        "B runs on"
+    );
+    assert!(!e.scontrol_log().contains("requeue 32"));
+
+    // A's next run (a requeue) goes to a domain of its own although it asks for nothing.
+    let job = match e.call(&Request::JobReport { job_id: 31 }).unwrap() {
+        Response::JobReport(j) => j,
+        r => panic!("{r:?}"),
+    };
+    assert!(
+        job.actions.iter().any(|a| a.contains("quarantined")),
+        "{:?}",
+        job.actions
+    );
+    let a2 = e.placed_client(31, None, 60);
+    assert!(!a2.domain.is_shared(), "quarantined culprit placed apart");
+
+    // The agent crashes and comes back: every domain, its clients and B's process are intact.
+    let before: Vec<DomainId> = {
+        let Response::Status(s) = e.call(&Request::Status).unwrap() else {
+            panic!()
+        };
+        s.gpus[0].domains.iter().map(|d| d.domain).collect()
+    };
+    assert!(before.len() >= 3, "{before:?}");
+    e.kill_agent();
+    e.start_agent();
+    let Response::Status(s) = e.call(&Request::Status).unwrap() else {
+        panic!()
+    };
+    let after: Vec<DomainId> = s.gpus[0].domains.iter().map(|d| d.domain).collect();
+    assert_eq!(after, before);
+    assert!(e.domain(b.domain).unwrap().clients.contains(&b.proc.id()));
+    assert_eq!(exit_code(&mut b.proc, Duration::from_millis(100)), None);
+    assert_eq!(
+        s.tasks
+            .iter()
+            .filter(|t| t.domains.contains(&b.domain))
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn a_fault_no_log_shows_is_found_by_asking_each_server() {
+    let e = Env::new("mps_logs = false\n");
+    let c = e.client(0, 30.0, false);
+    e.register(41, c.id(), &[0], Mode::Requeue, true);
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+        slot: None,
+    })
+    .unwrap();
+    e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 41"));
+    let f = &e.events()[0];
+    assert!(f.sources.contains(&"mps_status".to_string()), "{f}");
+    assert!(!f.awaiting_domain);
+}
+
+#[test]
+fn an_app_fault_no_registered_domain_shows_hits_nobody() {
+    use mpsr_proto::Isolation;
+    let e = Env::with(
+        &format!("trusted_uids = [0, {}]\n", uid()),
+        "",
+        "mps_logs = false\n",
+    );
+    let shared = e.client(0, 30.0, false);
+    e.register(51, shared.id(), &[0], Mode::Requeue, true);
+    // Job 52's task ended (deregistered) but a process of it still uses its domain's server.
+    let left = e.placed_client(52, Some(Isolation::Job), 30);
+    let r = e
+        .call(&Request::Deregister {
+            job_id: 52,
+            step_id: mpsr_proto::BATCH_STEP,
+            pid: left.proc.id(),
+            exit_status: Some(0),
+        })
+        .unwrap();
+    assert_eq!(r, Response::Ok);
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 31,
+        culprit: None,
+        slot: Some(left.domain.slot),
+    })
+    .unwrap();
+    e.wait_for("the no-domain outcome", |e| {
+        e.events().iter().any(|f| {
+            f.outcome
+                .iter()
+                .any(|o| o.contains("no fault domain showed"))
+        })
+    });
+    let f = &e.events()[0];
+    assert!(f.hit_jobs.is_empty() && f.awaiting_domain, "{f}");
+    assert!(!e.scontrol_log().contains("requeue"));
+}
+
+#[test]
+fn isolation_outside_the_allowed_list_is_refused() {
+    use mpsr_proto::Isolation;
+    let e = Env::with(
+        &format!("trusted_uids = [0, {}]\n", uid()),
+        "isolation_allowed = [\"shared\", \"user\"]\n",
+        "",
+    );
+    let me = std::process::id();
+    let mut r = reg(61, me, &[0], Mode::Requeue, true);
+    r.isolation = Some(Isolation::Job);
+    match e.call(&Request::Register(r)).unwrap() {
+        Response::Error { code, message } => {
+            assert_eq!(code, mpsr_proto::ErrorCode::Refused);
+            assert!(message.contains("not allowed"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -19,7 +19,7 @@ pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
 use serde::{Deserialize, Serialize};
 
 /// Protocol revision; bumped on incompatible changes.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Slurm's step id of a batch script (`SLURM_BATCH_SCRIPT`).
 pub const BATCH_STEP: u32 = 0xffff_fffb;
@@ -60,6 +60,83 @@ impl std::fmt::Display for Mode {
     }
 }
 
+/// One fault domain: an MPS control daemon and its server on one GPU, with its own pipe and log
+/// directory. A fault kills the clients of its own server only (measured on an H200, KNOWLEDGE.md);
+/// slot 0 is the GPU's shared domain, which always exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct DomainId {
+    pub gpu: u32,
+    pub slot: u32,
+}
+
+impl DomainId {
+    pub const fn shared(gpu: u32) -> DomainId {
+        DomainId { gpu, slot: 0 }
+    }
+    pub const fn is_shared(self) -> bool {
+        self.slot == 0
+    }
+}
+
+impl std::fmt::Display for DomainId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_shared() {
+            write!(f, "gpu{}/shared", self.gpu)
+        } else {
+            write!(f, "gpu{}/d{}", self.gpu, self.slot)
+        }
+    }
+}
+
+/// How the agent knows which job caused a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CulpritEvidence {
+    /// The driver patch's isolation line named one of the job's processes.
+    Isolation,
+    /// The faulting domain held this job alone.
+    SoleTenant,
+}
+
+/// Which jobs share a fault domain (`--mps-isolation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// The GPU's one shared server: full MPS concurrency, shared fate.
+    Shared,
+    /// A server of the job's own: its ranks share it; other jobs are time-sliced against it.
+    Job,
+    /// One server per user: a user's jobs share fate with each other only.
+    User,
+}
+
+impl Isolation {
+    pub const ALL: [Isolation; 3] = [Isolation::Shared, Isolation::Job, Isolation::User];
+    pub fn name(self) -> &'static str {
+        match self {
+            Isolation::Shared => "shared",
+            Isolation::Job => "job",
+            Isolation::User => "user",
+        }
+    }
+}
+
+impl std::str::FromStr for Isolation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Isolation::ALL
+            .into_iter()
+            .find(|i| i.name() == s)
+            .ok_or_else(|| format!("invalid isolation '{s}': expected shared, job or user"))
+    }
+}
+
+impl std::fmt::Display for Isolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One task of a job step using GPUs through the agent's MPS daemons.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,6 +162,9 @@ pub struct Registration {
     /// Slurm restart count of the job when this task started.
     #[serde(default)]
     pub restart_count: u32,
+    /// The fault domain asked for (`--mps-isolation`); none = the node's default.
+    #[serde(default)]
+    pub isolation: Option<Isolation>,
 }
 
 /// Requests to the agent.
@@ -148,6 +228,9 @@ pub enum Request {
         xid: u32,
         #[serde(default)]
         culprit: Option<u32>,
+        /// The domain whose server faults; none = the culprit's, else the shared one.
+        #[serde(default)]
+        slot: Option<u32>,
     },
     /// Bring a simulated lost GPU back (models a GPU reset; sim backend only).
     SimRecover {
@@ -161,6 +244,9 @@ pub enum Request {
     TerminateClient {
         gpu: u32,
         pid: u32,
+        /// The client's domain on that GPU; none = the shared one.
+        #[serde(default)]
+        slot: Option<u32>,
     },
 }
 
@@ -183,6 +269,9 @@ pub enum ServerState {
 pub struct GpuContext {
     pub gpu: u32,
     pub uuid: String,
+    /// The fault domain whose server this task's clients use on this GPU.
+    pub domain: DomainId,
+    pub isolation: Isolation,
     pub pipe_dir: String,
     pub log_dir: String,
     pub state: ServerState,
@@ -200,6 +289,23 @@ pub struct GpuStatus {
     pub clients: Vec<u32>,
     /// Why the GPU is unhealthy (hardware fault class), if it is.
     pub unhealthy: Option<String>,
+    /// Its fault domains (the shared one first).
+    #[serde(default)]
+    pub domains: Vec<DomainStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainStatus {
+    pub domain: DomainId,
+    /// "shared", "job N" or "uid N".
+    pub tenancy: String,
+    pub state: ServerState,
+    /// Client pids (shown to trusted callers only).
+    pub clients: Vec<u32>,
+    /// Registered jobs using it (a user sees only their own).
+    pub jobs: Vec<u32>,
+    /// GPU memory of its server and clients, where the backend can tell.
+    pub memory_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -211,6 +317,9 @@ pub struct TaskStatus {
     pub gpus: Vec<u32>,
     pub mode: Mode,
     pub batch: bool,
+    /// The fault domain of each of its GPUs.
+    #[serde(default)]
+    pub domains: Vec<DomainId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,6 +346,17 @@ pub struct DecisionRecord {
     pub reported_pid: Option<u32>,
     /// The culprit, if an isolation source named it.
     pub culprit: Option<u32>,
+    /// The fault domains whose servers showed the fault (their jobs are the hit ones).
+    #[serde(default)]
+    pub hit_domains: Vec<DomainId>,
+    /// The job that caused the fault, when known for sure, and how it is known.
+    #[serde(default)]
+    pub culprit_job: Option<u32>,
+    #[serde(default)]
+    pub culprit_evidence: Option<CulpritEvidence>,
+    /// An application fault no domain has shown yet: nobody is hit until one does.
+    #[serde(default)]
+    pub awaiting_domain: bool,
     pub hit_jobs: Vec<u32>,
     pub spared_jobs: Vec<u32>,
     pub actions: Vec<String>,
@@ -253,7 +373,7 @@ impl std::fmt::Display for DecisionRecord {
         let opt = |v: Option<u32>, none: &str| v.map(|p| p.to_string()).unwrap_or(none.into());
         write!(
             f,
-            "fault {} gpu{} xid {:?} class {} sources {:?} kernel-pid {} culprit {} | hit {:?} spared {:?} | decided in {} us",
+            "fault {} gpu{} xid {:?} class {} sources {:?} kernel-pid {} culprit {} | domains [{}] hit {:?} spared {:?} | decided in {} us",
             self.fault_id,
             self.gpu,
             self.xids,
@@ -261,10 +381,26 @@ impl std::fmt::Display for DecisionRecord {
             self.sources,
             opt(self.reported_pid, "-"),
             opt(self.culprit, "unknown"),
+            self.hit_domains
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(" "),
             self.hit_jobs,
             self.spared_jobs,
             self.decide_us
         )?;
+        if let Some(j) = self.culprit_job {
+            let how = match self.culprit_evidence {
+                Some(CulpritEvidence::Isolation) => "named by the isolation line",
+                Some(CulpritEvidence::SoleTenant) => "sole job of the faulting domain",
+                None => "",
+            };
+            write!(f, "\n    culprit job: {j} ({how})")?;
+        }
+        if self.awaiting_domain {
+            write!(f, "\n    waiting for a domain to show the fault")?;
+        }
         for a in &self.actions {
             write!(f, "\n    action: {a}")?;
         }
@@ -312,6 +448,8 @@ pub enum ErrorCode {
     PermissionDenied,
     NotFound,
     Unsupported,
+    /// The node's policy refuses the request (e.g. an isolation the admin does not allow).
+    Refused,
     Internal,
 }
 
@@ -325,6 +463,10 @@ pub enum Response {
         simulated: bool,
     },
     GpuContexts {
+        contexts: Vec<GpuContext>,
+    },
+    /// Registered; the task's clients use these domains (set its MPS environment from them).
+    Registered {
         contexts: Vec<GpuContext>,
     },
     Status(StatusReply),
@@ -397,6 +539,7 @@ mod tests {
             threads_pct: Some(50),
             mem_limit: None,
             restart_count: 0,
+            isolation: Some(Isolation::Job),
         });
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
@@ -404,6 +547,18 @@ mod tests {
         assert!(serde_json::from_str::<Request>(bad).is_err());
         let bad_op = r#"{"op":"format_disk"}"#;
         assert!(serde_json::from_str::<Request>(bad_op).is_err());
+    }
+
+    #[test]
+    fn isolation_parse_and_wire_names() {
+        assert_eq!("user".parse::<Isolation>().unwrap(), Isolation::User);
+        assert!("gpu"
+            .parse::<Isolation>()
+            .unwrap_err()
+            .contains("shared, job or user"));
+        assert_eq!(serde_json::to_string(&Isolation::Job).unwrap(), "\"job\"");
+        assert_eq!(DomainId { gpu: 1, slot: 2 }.to_string(), "gpu1/d2");
+        assert_eq!(DomainId::shared(0).to_string(), "gpu0/shared");
     }
 
     #[test]

@@ -2,21 +2,23 @@
 //! agent must not hold up a job launch).
 
 use crate::config::PlugConfig;
-use mpsr_proto::{Client, ClientError, GpuContext, Registration, Request, Response};
+use mpsr_proto::{Client, ClientError, ErrorCode, GpuContext, Registration, Request, Response};
 
 #[derive(Debug)]
 pub enum AgentError {
     /// Down, not answering in time, or speaking garbage.
     Unreachable(String),
     /// The agent answered with a refusal.
-    Refused(String),
+    Refused { code: ErrorCode, message: String },
 }
 
 impl std::fmt::Display for AgentError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             AgentError::Unreachable(m) => f.write_str(m),
-            AgentError::Refused(m) => write!(f, "node agent refused: {m}"),
+            AgentError::Refused { code, message } => {
+                write!(f, "node agent refused: {message} ({code:?})")
+            }
         }
     }
 }
@@ -24,9 +26,7 @@ impl std::fmt::Display for AgentError {
 fn call(cfg: &PlugConfig, req: &Request) -> Result<Response, AgentError> {
     let c = Client::new(&cfg.agent_socket, cfg.timeout);
     match c.call(req) {
-        Ok(Response::Error { code, message }) => {
-            Err(AgentError::Refused(format!("{message} ({code:?})")))
-        }
+        Ok(Response::Error { code, message }) => Err(AgentError::Refused { code, message }),
         Ok(r) => Ok(r),
         Err(e @ ClientError::Unavailable(..)) | Err(e @ ClientError::Protocol(_)) => {
             Err(AgentError::Unreachable(e.to_string()))
@@ -48,9 +48,11 @@ pub fn gpu_contexts(cfg: &PlugConfig, gpus: &[u32]) -> Result<Vec<GpuContext>, A
     }
 }
 
-pub fn register(cfg: &PlugConfig, r: Registration) -> Result<(), AgentError> {
+/// Registers a task; the reply says which fault domain (MPS server) each of its GPUs uses.
+pub fn register(cfg: &PlugConfig, r: Registration) -> Result<Vec<GpuContext>, AgentError> {
+    let n = r.gpus.len();
     match call(cfg, &Request::Register(r))? {
-        Response::Ok => Ok(()),
+        Response::Registered { contexts } if contexts.len() == n => Ok(contexts),
         other => Err(AgentError::Unreachable(format!(
             "unexpected reply to register: {other:?}"
         ))),

@@ -4,7 +4,7 @@
 //! required /usr/lib/x86_64-linux-gnu/slurm-wlm/mps_resilient.so agent_socket=/run/mps-resilient/agent.sock required_agent=no
 //! ```
 
-use mpsr_proto::Mode;
+use mpsr_proto::{Isolation, Mode};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -25,6 +25,11 @@ pub const KEYS: &[(&str, &str, &str)] = &[
         "no",
         "yes: a protected job fails when the agent is unreachable; no: it runs unprotected with a warning",
     ),
+    (
+        "isolation",
+        "",
+        "fault domain of a job that does not give --mps-isolation: shared, job or user; empty = the agent's mps.isolation_default",
+    ),
     ("timeout_ms", "2000", "bound on each call to the agent"),
     (
         "supervisor",
@@ -40,6 +45,7 @@ pub struct PlugConfig {
     pub required_agent: bool,
     pub timeout: Duration,
     pub supervisor: PathBuf,
+    pub isolation: Option<Isolation>,
 }
 
 impl Default for PlugConfig {
@@ -50,6 +56,7 @@ impl Default for PlugConfig {
             required_agent: false,
             timeout: Duration::from_millis(2000),
             supervisor: "/usr/bin/mpsr-run".into(),
+            isolation: None,
         }
     }
 }
@@ -150,6 +157,13 @@ impl PlugConfig {
                         .ok_or_else(|| bad("timeout_ms", "milliseconds in 1..=60000"))?;
                     c.timeout = Duration::from_millis(ms);
                 }
+                "isolation" if v.is_empty() => c.isolation = None,
+                "isolation" => {
+                    c.isolation = Some(
+                        v.parse()
+                            .map_err(|_| bad("isolation", "shared, job or user"))?,
+                    )
+                }
                 "supervisor" => {
                     if !v.starts_with('/') {
                         return Err(bad("supervisor", "an absolute path"));
@@ -199,8 +213,10 @@ mod tests {
             "default_mode=resume",
             "required_agent=yes",
             "timeout_ms=500",
+            "isolation=job",
         ])
         .unwrap();
+        assert_eq!(c.isolation, Some(Isolation::Job));
         assert_eq!(c.agent_socket, PathBuf::from("/tmp/a.sock"));
         assert_eq!(c.default_mode, Mode::Resume);
         assert!(c.required_agent);
@@ -224,6 +240,10 @@ mod tests {
         assert!(p(&["timeout_ms=0"]).is_err());
         assert!(p(&["timeout_ms=abc"]).is_err());
         assert!(p(&["default_mode=Requeue"]).is_err());
+        assert!(p(&["isolation=gpu"])
+            .unwrap_err()
+            .to_string()
+            .contains("'isolation'"));
         assert!(p(&["agent_socket=relative.sock"]).is_err());
         assert!(matches!(
             p(&["verbose"]).unwrap_err(),

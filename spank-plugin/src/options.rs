@@ -1,18 +1,19 @@
 //! The plugin's options: one table, one callback, values parsed and validated here.
 //!
-//! `--mps-resilient[=MODE]`, `--mps-threads=PCT`, `--mps-mem=SIZE`. Bad values are refused in
+//! `--mps-resilient[=MODE]`, `--mps-threads=PCT`, `--mps-mem=SIZE`, `--mps-isolation=KIND`. Bad values are refused in
 //! srun/sbatch (the callback returns -1, so the command exits non-zero with the message).
 
 use crate::sys::{ffi, OptionEntry};
-use mpsr_proto::Mode;
+use mpsr_proto::{Isolation, Mode};
 use std::os::raw::{c_char, c_int};
 use std::sync::Mutex;
 
 pub const OPT_MODE: c_int = 0;
 pub const OPT_THREADS: c_int = 1;
 pub const OPT_MEM: c_int = 2;
+pub const OPT_ISOLATION: c_int = 3;
 
-pub static OPTIONS: [OptionEntry; 3] = [
+pub static OPTIONS: [OptionEntry; 4] = [
     OptionEntry::new(
         c"mps-resilient",
         Some(c"MODE"),
@@ -37,6 +38,14 @@ pub static OPTIONS: [OptionEntry; 3] = [
         OPT_MEM,
         Some(option_cb),
     ),
+    OptionEntry::new(
+        c"mps-isolation",
+        Some(c"KIND"),
+        c"[mps-resilient] who shares this job's MPS server, i.e. whose GPU fault can kill it. shared: every job on the GPU (fastest: all run concurrently); job: this job's tasks only (other jobs are time-sliced against it); user: your jobs only. What is allowed and the default are set by the admin.",
+        1,
+        OPT_ISOLATION,
+        Some(option_cb),
+    ),
 ];
 
 /// What the user asked for.
@@ -46,6 +55,7 @@ pub struct OptValues {
     pub mode: Option<Option<Mode>>,
     pub threads: Option<u8>,
     pub mem: Option<u64>,
+    pub isolation: Option<Isolation>,
 }
 
 impl OptValues {
@@ -59,8 +69,10 @@ impl OptValues {
 
     /// Limits without the main flag are a mistake worth telling the user about.
     pub fn check(&self) -> Result<(), String> {
-        if self.mode.is_none() && (self.threads.is_some() || self.mem.is_some()) {
-            return Err("--mps-threads/--mps-mem need --mps-resilient".into());
+        if self.mode.is_none()
+            && (self.threads.is_some() || self.mem.is_some() || self.isolation.is_some())
+        {
+            return Err("--mps-threads/--mps-mem/--mps-isolation need --mps-resilient".into());
         }
         Ok(())
     }
@@ -85,6 +97,7 @@ impl OptValues {
             }
             OPT_THREADS => self.threads = Some(parse_threads(arg.unwrap_or(""))?),
             OPT_MEM => self.mem = Some(parse_mem(arg.unwrap_or(""))?),
+            OPT_ISOLATION => self.isolation = Some(parse_isolation(arg.unwrap_or(""))?),
             other => return Err(format!("unknown option index {other}")),
         }
         Ok(())
@@ -109,11 +122,18 @@ pub fn parse_mem(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("--mps-mem={s}: expected a size such as 8G, 512M or 1073741824"))
 }
 
+pub fn parse_isolation(s: &str) -> Result<Isolation, String> {
+    s.trim()
+        .parse::<Isolation>()
+        .map_err(|_| format!("--mps-isolation={s}: expected shared, job or user"))
+}
+
 /// Values seen by the option callback in this process (srun/sbatch, or slurmstepd).
 pub static SEEN: Mutex<OptValues> = Mutex::new(OptValues {
     mode: None,
     threads: None,
     mem: None,
+    isolation: None,
 });
 
 pub fn seen() -> OptValues {
@@ -172,6 +192,8 @@ mod tests {
         assert!(v.apply(OPT_MODE, Some("off")).is_err());
         v.apply(OPT_THREADS, Some("30")).unwrap();
         v.apply(OPT_MEM, Some("8G")).unwrap();
+        v.apply(OPT_ISOLATION, Some("job")).unwrap();
+        assert_eq!(v.isolation, Some(Isolation::Job));
         assert_eq!(v.threads, Some(30));
         assert_eq!(v.mem, Some(8 << 30));
         v.check().unwrap();
@@ -189,6 +211,11 @@ mod tests {
             .apply(OPT_MEM, Some("lots"))
             .unwrap_err()
             .contains("--mps-mem"));
+        let e = v.apply(OPT_ISOLATION, Some("gpu")).unwrap_err();
+        assert!(e.contains("--mps-isolation=gpu"), "{e}");
+        let mut only_iso = OptValues::default();
+        only_iso.apply(OPT_ISOLATION, Some("user")).unwrap();
+        assert!(only_iso.check().is_err());
         let mut only_limits = OptValues::default();
         only_limits.apply(OPT_THREADS, Some("50")).unwrap();
         assert!(only_limits.check().is_err());

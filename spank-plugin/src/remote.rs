@@ -1,5 +1,7 @@
-//! slurmstepd (remote) context: find the step's GPUs, ask the agent for each GPU's MPS client
-//! context, put it into each task's environment, register the task, deregister it at exit.
+//! slurmstepd (remote) context: find the step's GPUs, register each task with the agent (which
+//! places it in a fault domain: an MPS server of the GPU), put that domain's MPS client context
+//! into the task's environment, deregister it at exit. The GPUs' shared contexts fetched in
+//! user_init are the fallback when the agent is unreachable.
 //!
 //! Call order in slurmstepd: init -> user_init (once per step, euid = user) -> per task, in the
 //! forked task process: task_init_privileged (root) -> task_init (user) -> exec; in slurmstepd:
@@ -9,9 +11,9 @@
 use crate::agent::{self, AgentError};
 use crate::config::{self, PlugConfig};
 use crate::gpus;
-use crate::options::{self, OptValues, OPT_MEM, OPT_MODE, OPT_THREADS};
+use crate::options::{self, OptValues, OPT_ISOLATION, OPT_MEM, OPT_MODE, OPT_THREADS};
 use crate::sys::{self, Spank};
-use mpsr_proto::{GpuContext, Mode, Registration, BATCH_STEP};
+use mpsr_proto::{ErrorCode, GpuContext, Isolation, Mode, Registration, BATCH_STEP};
 use std::sync::Mutex;
 
 /// Steps that are not user work: the extern step (job containment) and interactive steps.
@@ -33,6 +35,7 @@ struct Protected {
     contexts: Vec<GpuContext>,
     threads: Option<u8>,
     mem: Option<u64>,
+    isolation: Option<Isolation>,
 }
 
 #[derive(Debug, Default)]
@@ -71,7 +74,7 @@ pub fn init(sp: Spank, args: &[String]) -> i32 {
 /// The options as given to this job (slurmstepd learns them from srun/sbatch).
 fn job_options(sp: Spank) -> Result<OptValues, String> {
     let mut v = OptValues::default();
-    for val in [OPT_MODE, OPT_THREADS, OPT_MEM] {
+    for val in [OPT_MODE, OPT_THREADS, OPT_MEM, OPT_ISOLATION] {
         match sp.getopt(options::entry(val)) {
             Ok(Some(arg)) => v.apply(val, arg.as_deref())?,
             Ok(None) => {}
@@ -173,6 +176,7 @@ pub fn user_init(sp: Spank) {
     sys::log_verbose(&format!(
         "job {job_id} step {step_id}: mode {mode}, GPUs {gpus:?}"
     ));
+    let cfg_isolation = cfg.isolation;
     st.protected = Some(Protected {
         cfg,
         job_id,
@@ -187,6 +191,7 @@ pub fn user_init(sp: Spank) {
         contexts,
         threads: opts.threads,
         mem: opts.mem,
+        isolation: opts.isolation.or(cfg_isolation),
     });
 }
 
@@ -199,7 +204,43 @@ pub fn task_init_privileged(sp: Spank) {
     let Some(i) = gpus::for_task(&p.gpus, task) else {
         return;
     };
-    let ctx = &p.contexts[i];
+    let reg = Registration {
+        job_id: p.job_id,
+        step_id: p.step_id,
+        // This is the task process itself; exec keeps the pid.
+        pid: std::process::id(),
+        uid: Some(p.uid),
+        gpus: vec![p.gpus[i]],
+        mode: p.mode,
+        batch: p.batch_job,
+        threads_pct: p.threads,
+        mem_limit: p.mem,
+        restart_count: p.restart_count,
+        isolation: p.isolation,
+    };
+    let ctx = match agent::register(&p.cfg, reg) {
+        Ok(c) => c
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| p.contexts[i].clone()),
+        Err(AgentError::Refused {
+            code: ErrorCode::Refused,
+            message,
+        }) => {
+            // The admin's policy (isolation not allowed, GPU full): never run it otherwise.
+            st.error = Some(format!("the node agent refused this job: {message}"));
+            return;
+        }
+        Err(e) => {
+            agent_problem(
+                &mut st,
+                &p.cfg,
+                "cannot register the task with the node agent",
+                e,
+            );
+            p.contexts[i].clone()
+        }
+    };
     let mut env = vec![
         ("CUDA_MPS_PIPE_DIRECTORY", ctx.pipe_dir.clone()),
         ("CUDA_MPS_LOG_DIRECTORY", ctx.log_dir.clone()),
@@ -207,6 +248,8 @@ pub fn task_init_privileged(sp: Spank) {
         ("CUDA_VISIBLE_DEVICES", "0".to_string()),
         ("MPSR_GPU", ctx.gpu.to_string()),
         ("MPSR_MODE", p.mode.to_string()),
+        ("MPSR_ISOLATION", ctx.isolation.to_string()),
+        ("MPSR_DOMAIN", ctx.domain.to_string()),
         ("MPSR_SOCKET", p.cfg.agent_socket.display().to_string()),
     ];
     if let Some(k) = &ctx.keeper_socket {
@@ -229,27 +272,6 @@ pub fn task_init_privileged(sp: Spank) {
             "note: each task uses one GPU (one MPS server per GPU); task {task} uses GPU {} of {:?}. Run one task per GPU to use them all.",
             ctx.gpu, p.gpus
         ));
-    }
-    let reg = Registration {
-        job_id: p.job_id,
-        step_id: p.step_id,
-        // This is the task process itself; exec keeps the pid.
-        pid: std::process::id(),
-        uid: Some(p.uid),
-        gpus: vec![ctx.gpu],
-        mode: p.mode,
-        batch: p.batch_job,
-        threads_pct: p.threads,
-        mem_limit: p.mem,
-        restart_count: p.restart_count,
-    };
-    if let Err(e) = agent::register(&p.cfg, reg) {
-        agent_problem(
-            &mut st,
-            &p.cfg,
-            "cannot register the task with the node agent",
-            e,
-        );
     }
 }
 

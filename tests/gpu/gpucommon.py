@@ -267,11 +267,13 @@ def finish_common(json_name):
         if pid:
             os.kill(pid, 15)
         say(f"stopped keeper {sock} (pid {pid})")
-    for d in sorted((W / "run").glob("gpu*/pipe")):
+    for d in sorted((W / "run").glob("gpu*/pipe")) + sorted((W / "run").glob("gpu*/d*/pipe")):
         r = sh(f"echo quit | CUDA_MPS_PIPE_DIRECTORY={d} nvidia-cuda-mps-control", timeout=30)
         say(f"quit MPS daemon {d}: rc {r.returncode} {r.stdout.strip()} {r.stderr.strip()}")
     for src in sorted((W / "run").glob("gpu*/log/*.log")) + sorted((W / "run").glob("gpu*/keeper.log")):
         shutil.copy(src, OUT / f"{src.parent.name if src.name == 'keeper.log' else 'mps-' + src.parent.parent.name}-{src.name}")
+    for src in sorted((W / "run").glob("gpu*/d*/log/*.log")):
+        shutil.copy(src, OUT / f"mps-{src.parent.parent.parent.name}-{src.parent.parent.name}-{src.name}")
     if (W / "scontrol.log").exists():
         shutil.copy(W / "scontrol.log", OUT / "scontrol.log")
     RESULTS["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

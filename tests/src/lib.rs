@@ -540,14 +540,20 @@ gpus = {}
         }
     }
 
-    /// Injects a simulated Xid on a node's GPU; returns the simulated clients it killed.
+    /// Injects a simulated Xid on a node's GPU (its shared domain); returns the clients it killed.
     pub fn inject(&self, node: &str, gpu: u32, xid: u32) -> Result<Vec<u32>> {
+        self.inject_in(node, gpu, xid, None)
+    }
+
+    /// Injects a simulated Xid into one fault domain's server (`slot`, 0 = shared).
+    pub fn inject_in(&self, node: &str, gpu: u32, xid: u32, slot: Option<u32>) -> Result<Vec<u32>> {
         match self.agent_call(
             node,
             &Request::SimInject {
                 gpu,
                 xid,
                 culprit: None,
+                slot,
             },
         )? {
             Response::Injected { killed, .. } => Ok(killed),

@@ -382,6 +382,132 @@ fn bad_input_is_refused_clearly() {
     assert!(not_drained(&c, "n1"));
 }
 
+/// The fault domain of a job's tasks on a node's GPU 0, and the clients in it.
+fn domain_of(c: &Cluster, job: u32) -> (mpsr_proto::DomainId, Vec<u32>) {
+    let s = c.agent_status("n1").unwrap();
+    let d = s
+        .tasks
+        .iter()
+        .find(|t| t.job_id == job)
+        .and_then(|t| t.domains.first().copied())
+        .unwrap_or_else(|| panic!("job {job} not registered: {s:?}"));
+    let clients = s.gpus[0]
+        .domains
+        .iter()
+        .find(|x| x.domain == d)
+        .map(|x| x.clients.clone())
+        .unwrap_or_default();
+    (d, clients)
+}
+
+/// Case 7 (fault domains): A and B each in a domain of their own (`--mps-isolation=job`), C and D
+/// in the GPU's shared one. The agent crashes and comes back with all three domains. A fault in
+/// A's server requeues A only; one in the shared server requeues C and D only. The jobs not hit
+/// keep their very processes.
+#[test]
+fn a_fault_requeues_only_the_jobs_of_its_fault_domain() {
+    let Some((_g, mut c)) = cluster(Options::default()) else {
+        return;
+    };
+    let submit = |iso: &str| {
+        c.sbatch(
+            "nobody",
+            &format!("-w n1 --gres=shard:1 --mps-resilient=requeue {iso}"),
+            &client_script(120, 1),
+        )
+        .unwrap()
+    };
+    let a = submit("--mps-isolation=job");
+    let b = submit("--mps-isolation=job");
+    let cc = submit("--mps-isolation=shared");
+    let d = submit("");
+    for id in [a, b, cc, d] {
+        c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+        assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0], "job {id}");
+    }
+    wait_for("one client per job in its domain", SHORT, || {
+        [a, b, cc, d]
+            .iter()
+            .all(|j| domain_of(&c, *j).1.len() == if *j == cc || *j == d { 2 } else { 1 })
+            .then_some(())
+    })
+    .unwrap();
+    let (da, _) = domain_of(&c, a);
+    let (db, b_clients) = domain_of(&c, b);
+    let (dc, shared_clients) = domain_of(&c, cc);
+    assert!(!da.is_shared() && !db.is_shared() && da != db, "{da} {db}");
+    assert!(dc.is_shared() && domain_of(&c, d).0.is_shared());
+    assert!(
+        c.job_output(a).contains(&format!("gpu0/d{}/pipe", da.slot)),
+        "{}",
+        c.job_output(a)
+    );
+
+    // The agent is killed and restarted: every domain is adopted with its clients.
+    let domains = |c: &Cluster| {
+        c.agent_status("n1").unwrap().gpus[0]
+            .domains
+            .iter()
+            .map(|x| (x.domain, x.clients.clone()))
+            .collect::<Vec<_>>()
+    };
+    let before = domains(&c);
+    assert_eq!(before.len(), 3, "{before:?}");
+    c.stop_agent("n1", true);
+    c.start_agent("n1").unwrap();
+    assert_eq!(
+        domains(&c),
+        before,
+        "domains and clients across an agent crash"
+    );
+
+    // A fault in A's server.
+    let killed = c.inject_in("n1", 0, 31, Some(da.slot)).unwrap();
+    assert_eq!(killed.len(), 1, "only A's client dies: {killed:?}");
+    wait_for("A requeued", LONG, || {
+        (c.job_field(a, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    for id in [b, cc, d] {
+        assert_eq!(c.job_field(id, "Restarts"), "0", "job {id}");
+        assert_eq!(c.job_field(id, "JobState"), "RUNNING", "job {id}");
+    }
+    assert_eq!(domain_of(&c, b).1, b_clients, "B's process untouched");
+    assert_eq!(
+        domain_of(&c, cc).1,
+        shared_clients,
+        "C and D's processes untouched"
+    );
+    let ev = match c.agent_call("n1", &Request::Events { limit: 10 }).unwrap() {
+        Response::Events { events } => events,
+        r => panic!("{r:?}"),
+    };
+    let f = ev
+        .iter()
+        .find(|f| f.hit_jobs == vec![a])
+        .expect("A's decision");
+    assert_eq!(f.hit_domains, vec![da], "{f}");
+    assert_eq!(f.culprit_job, Some(a), "{f}");
+
+    // A fault in the shared server: C and D, not B.
+    let killed = c.inject_in("n1", 0, 43, Some(0)).unwrap();
+    assert_eq!(killed.len(), 2, "{killed:?}");
+    for id in [cc, d] {
+        wait_for(&format!("job {id} requeued"), LONG, || {
+            (c.job_field(id, "Restarts") == "1").then_some(())
+        })
+        .unwrap();
+    }
+    assert_eq!(c.job_field(b, "Restarts"), "0");
+    assert_eq!(c.job_field(b, "JobState"), "RUNNING");
+    assert_eq!(domain_of(&c, b).1, b_clients, "B's process untouched");
+    for id in [a, cc, d] {
+        c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    }
+    assert!(not_drained(&c, "n1"));
+}
+
 /// A job spanning two nodes: a fault on one node's GPU requeues the whole job.
 #[test]
 fn multi_node_job_is_requeued_as_a_whole() {

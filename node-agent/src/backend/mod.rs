@@ -1,12 +1,14 @@
 //! GPU backends: real GPUs (NVML + nvidia-cuda-mps-control) or simulated ones. The rest of the agent
-//! only sees this trait.
+//! only sees this trait: GPUs, their event sources, and fault domains (one MPS control daemon and
+//! server each) addressed by [`DomainId`].
 
 pub mod nvml;
 pub mod sim;
 
+use crate::domain::DomainSpec;
 use crate::event::Signal;
 use crate::kmsg::PciAddr;
-use mpsr_proto::ServerState;
+use mpsr_proto::{DomainId, ServerState};
 use std::sync::mpsc::Sender;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -14,18 +16,21 @@ pub struct GpuInfo {
     pub index: u32,
     pub uuid: String,
     pub pci: PciAddr,
-    pub pipe_dir: String,
-    pub log_dir: String,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("NVML: {0}")]
     Nvml(String),
-    #[error("MPS control daemon for gpu{gpu}: {message}")]
-    Mps { gpu: u32, message: String },
+    #[error("MPS control daemon of {domain}: {source}")]
+    Mps {
+        domain: DomainId,
+        source: crate::mps::MpsError,
+    },
     #[error("no GPU {0}")]
     NoSuchGpu(u32),
+    #[error("no fault domain {0}")]
+    NoSuchDomain(DomainId),
     #[error("{0} is only available with the sim backend")]
     Unsupported(&'static str),
     #[error("simulated GPUs: {0}")]
@@ -38,20 +43,29 @@ pub trait GpuBackend: Send + Sync {
     fn name(&self) -> &'static str;
     fn simulated(&self) -> bool;
     fn gpus(&self) -> &[GpuInfo];
-    /// Start MPS daemons and event sources; signals go to `tx`.
+    /// Starts the GPU-wide event sources (NVML Xid events, kernel log); signals go to `tx`.
     fn start(&self, tx: Sender<Signal>) -> Result<(), BackendError>;
-    fn server_state(&self, gpu: u32) -> ServerState;
-    fn clients(&self, gpu: u32) -> Vec<u32>;
-    fn terminate_client(&self, gpu: u32, pid: u32) -> Result<(), BackendError>;
+    /// Starts a domain's MPS control daemon, or adopts the one already answering there.
+    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError>;
+    /// Stops a domain's daemon (the agent does so only when it has no clients).
+    fn stop_domain(&self, id: DomainId) -> Result<(), BackendError>;
+    fn server_state(&self, id: DomainId) -> ServerState;
+    fn clients(&self, id: DomainId) -> Vec<u32>;
+    fn terminate_client(&self, id: DomainId, pid: u32) -> Result<(), BackendError>;
+    /// GPU memory used by the domain's server and clients, where the backend can tell.
+    fn domain_memory(&self, id: DomainId) -> Option<u64>;
     /// Whether a GPU that had a hardware fault answers again (used to clear `unhealthy`).
     fn probe_healthy(&self, gpu: u32) -> bool;
-    fn shutdown(&self);
-    /// Inject a simulated fault; returns the pids of the clients it killed.
+    /// Stops every domain's daemon if configured to (`mps.quit_on_shutdown`).
+    fn shutdown(&self, domains: &[DomainId]);
+    /// Inject a simulated fault into `slot`'s server (else the culprit's, else the shared one);
+    /// returns the pids of the clients it killed.
     fn sim_inject(
         &self,
         _gpu: u32,
         _xid: u32,
         _culprit: Option<u32>,
+        _slot: Option<u32>,
     ) -> Result<Vec<u32>, BackendError> {
         Err(BackendError::Unsupported("fault injection"))
     }

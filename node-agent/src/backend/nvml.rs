@@ -3,26 +3,30 @@
 
 use super::{BackendError, GpuBackend, GpuInfo};
 use crate::config::Config;
+use crate::domain::DomainSpec;
 use crate::event::{GpuRef, Signal, Source};
 use crate::kmsg::PciAddr;
 use crate::mps::MpsDaemon;
-use mpsr_proto::ServerState;
+use mpsr_proto::{DomainId, ServerState};
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::mpsc::Sender;
+use std::sync::Mutex;
 use std::time::Duration;
 
 pub struct NvmlBackend {
     nvml: &'static Nvml,
     gpus: Vec<GpuInfo>,
-    daemons: Vec<MpsDaemon>,
-    thread_pct: u8,
-    mem_limit: String,
+    /// One control daemon per fault domain.
+    daemons: Mutex<BTreeMap<DomainId, MpsDaemon>>,
+    binary: std::path::PathBuf,
+    multiuser: bool,
+    timeout: Duration,
     kmsg: Option<(std::path::PathBuf, std::path::PathBuf)>,
-    mps_logs: bool,
     quit_on_shutdown: bool,
 }
 
@@ -101,7 +105,6 @@ impl NvmlBackend {
             .device_count()
             .map_err(|e| BackendError::Nvml(e.to_string()))?;
         let mut gpus = Vec::new();
-        let mut daemons = Vec::new();
         for i in 0..n {
             let d = nvml
                 .device_by_index(i)
@@ -113,46 +116,40 @@ impl NvmlBackend {
                 .bus_id;
             let pci = PciAddr::parse(&bus)
                 .ok_or_else(|| BackendError::Nvml(format!("unparsable PCI bus id {bus}")))?;
-            let pipe = crate::mps::pipe_dir(&cfg.run_dir, i);
-            let log = crate::mps::log_dir(&cfg.run_dir, i);
             gpus.push(GpuInfo {
                 index: i,
-                uuid: uuid.clone(),
-                pci,
-                pipe_dir: pipe.display().to_string(),
-                log_dir: log.display().to_string(),
-            });
-            daemons.push(MpsDaemon {
-                gpu: i,
                 uuid,
-                pipe_dir: pipe,
-                log_dir: log,
-                binary: cfg.mps.control_binary.clone(),
-                multiuser: cfg.mps.multiuser,
-                timeout: Duration::from_millis(cfg.mps.command_timeout_ms),
+                pci,
             });
         }
         Ok(NvmlBackend {
             nvml,
             gpus,
-            daemons,
-            thread_pct: cfg.mps.default_thread_pct,
-            mem_limit: cfg.mps.default_pinned_mem_limit.clone(),
+            daemons: Mutex::new(BTreeMap::new()),
+            binary: cfg.mps.control_binary.clone(),
+            multiuser: cfg.mps.multiuser,
+            timeout: Duration::from_millis(cfg.mps.command_timeout_ms),
             kmsg: cfg.faults.kmsg.then(|| {
                 (
                     cfg.faults.kmsg_path.clone(),
                     cfg.state_dir.join("kmsg-cursor.json"),
                 )
             }),
-            mps_logs: cfg.faults.mps_logs,
             quit_on_shutdown: cfg.mps.quit_on_shutdown,
         })
     }
 
-    fn daemon(&self, gpu: u32) -> Result<&MpsDaemon, BackendError> {
+    fn daemon(&self, id: DomainId) -> Result<MpsDaemon, BackendError> {
         self.daemons
-            .get(gpu as usize)
-            .ok_or(BackendError::NoSuchGpu(gpu))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+            .ok_or(BackendError::NoSuchDomain(id))
+    }
+
+    fn mps(id: DomainId) -> impl Fn(crate::mps::MpsError) -> BackendError {
+        move |source| BackendError::Mps { domain: id, source }
     }
 
     fn xid_loop(nvml: &'static Nvml, n: u32, tx: Sender<Signal>) {
@@ -224,21 +221,6 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn start(&self, tx: Sender<Signal>) -> Result<(), BackendError> {
-        for d in &self.daemons {
-            d.start().map_err(|e| BackendError::Mps {
-                gpu: d.gpu,
-                message: e.to_string(),
-            })?;
-            d.set_defaults(self.thread_pct, &self.mem_limit)
-                .map_err(|e| BackendError::Mps {
-                    gpu: d.gpu,
-                    message: e.to_string(),
-                })?;
-            if self.mps_logs {
-                crate::intake::spawn_control_log_tail(d.gpu, d.control_log(), tx.clone());
-                crate::intake::spawn_control_log_tail(d.gpu, d.server_log(), tx.clone());
-            }
-        }
         let nvml = self.nvml;
         let n = self.gpus.len() as u32;
         let t = tx.clone();
@@ -253,15 +235,50 @@ impl GpuBackend for NvmlBackend {
         Ok(())
     }
 
-    fn server_state(&self, gpu: u32) -> ServerState {
-        match self.daemon(gpu) {
+    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
+        let gpu = self
+            .gpus
+            .get(spec.id.gpu as usize)
+            .ok_or(BackendError::NoSuchGpu(spec.id.gpu))?;
+        let d = MpsDaemon {
+            domain: spec.id,
+            uuid: gpu.uuid.clone(),
+            pipe_dir: spec.pipe_dir.clone(),
+            log_dir: spec.log_dir.clone(),
+            binary: self.binary.clone(),
+            multiuser: self.multiuser,
+            timeout: self.timeout,
+        };
+        let err = Self::mps(spec.id);
+        d.start(spec.owner_uid).map_err(&err)?;
+        d.set_defaults(spec.thread_pct, spec.mem_limit)
+            .map_err(&err)?;
+        self.daemons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(spec.id, d);
+        Ok(())
+    }
+
+    fn stop_domain(&self, id: DomainId) -> Result<(), BackendError> {
+        let d = self.daemon(id)?;
+        d.quit().map_err(Self::mps(id))?;
+        self.daemons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        Ok(())
+    }
+
+    fn server_state(&self, id: DomainId) -> ServerState {
+        match self.daemon(id) {
             Ok(d) => d.state(),
             Err(_) => ServerState::Down,
         }
     }
 
-    fn clients(&self, gpu: u32) -> Vec<u32> {
-        let Ok(d) = self.daemon(gpu) else {
+    fn clients(&self, id: DomainId) -> Vec<u32> {
+        let Ok(d) = self.daemon(id) else {
             return vec![];
         };
         let Ok(servers) = d.server_list() else {
@@ -273,22 +290,37 @@ impl GpuBackend for NvmlBackend {
             .collect()
     }
 
-    fn terminate_client(&self, gpu: u32, pid: u32) -> Result<(), BackendError> {
-        let d = self.daemon(gpu)?;
-        let servers = d.server_list().map_err(|e| BackendError::Mps {
-            gpu,
-            message: e.to_string(),
-        })?;
+    fn terminate_client(&self, id: DomainId, pid: u32) -> Result<(), BackendError> {
+        let d = self.daemon(id)?;
+        let servers = d.server_list().map_err(Self::mps(id))?;
         for s in servers {
             let clients = d.client_list(s).unwrap_or_default();
             if clients.contains(&pid) {
-                return d.terminate_client(s, pid).map_err(|e| BackendError::Mps {
-                    gpu,
-                    message: e.to_string(),
-                });
+                return d.terminate_client(s, pid).map_err(Self::mps(id));
             }
         }
         Ok(())
+    }
+
+    fn domain_memory(&self, id: DomainId) -> Option<u64> {
+        let d = self.daemon(id).ok()?;
+        let servers = d.server_list().ok()?;
+        let mut pids: Vec<u32> = servers.clone();
+        for s in &servers {
+            pids.extend(d.client_list(*s).unwrap_or_default());
+        }
+        let dev = self.nvml.device_by_index(id.gpu).ok()?;
+        let procs = dev.running_compute_processes().ok()?;
+        Some(
+            procs
+                .iter()
+                .filter(|p| pids.contains(&p.pid))
+                .map(|p| match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
+                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
+                })
+                .sum(),
+        )
     }
 
     fn probe_healthy(&self, gpu: u32) -> bool {
@@ -298,13 +330,15 @@ impl GpuBackend for NvmlBackend {
             .is_ok()
     }
 
-    fn shutdown(&self) {
+    fn shutdown(&self, domains: &[DomainId]) {
         if !self.quit_on_shutdown {
             return;
         }
-        for d in &self.daemons {
-            if let Err(e) = d.quit() {
-                tracing::warn!(gpu = d.gpu, error = %e, "MPS control daemon quit failed");
+        for id in domains {
+            if let Ok(d) = self.daemon(*id) {
+                if let Err(e) = d.quit() {
+                    tracing::warn!(domain = %id, error = %e, "MPS control daemon quit failed");
+                }
             }
         }
     }

@@ -1,12 +1,15 @@
-//! SIMULATED GPUs for CI and the demo, as a backend: a client of the `mpsr-simgpu` daemon
-//! (`crate::simgpu`), which holds the simulated MPS servers and their clients. Like real MPS control
-//! daemons, it is started once and outlives agent restarts; the agent reconnects to it.
+//! SIMULATED GPUs for CI and the demo, as a backend: a client of the `mpsr-simgpu` daemon (crate
+//! `mpsr-simgpu`), which holds the simulated MPS servers of every fault domain and their clients.
+//! Like real MPS control daemons it is started once and outlives agent restarts; the agent
+//! reconnects to it. What dies in a fault is the simulator's own business (its measured table):
+//! the agent learns it only from what the hardware shows, as on a real node.
 
 use super::{BackendError, GpuBackend, GpuInfo};
+use crate::domain::DomainSpec;
 use crate::event::{GpuRef, Signal, Source};
-use crate::kmsg;
-use crate::simgpu::{self, SimEvent, SimReply, SimRequest};
-use mpsr_proto::ServerState;
+use crate::kmsg::{self, PciAddr};
+use mpsr_proto::{DomainId, ServerState};
+use mpsr_simgpu::{SimEvent, SimReply, SimRequest};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -25,8 +28,6 @@ pub struct SimBackend {
     quit_on_shutdown: bool,
 }
 
-pub use crate::intake::signal_from_kernel;
-
 impl SimBackend {
     pub fn new(
         n: u32,
@@ -35,8 +36,19 @@ impl SimBackend {
         recovery_ms: u64,
         quit_on_shutdown: bool,
     ) -> Result<SimBackend, BackendError> {
+        let gpus = (0..n)
+            .map(|i| {
+                let pci = mpsr_simgpu::gpu_pci(i);
+                Ok(GpuInfo {
+                    index: i,
+                    uuid: mpsr_simgpu::gpu_uuid(i),
+                    pci: PciAddr::parse(&pci)
+                        .ok_or_else(|| BackendError::Sim(format!("bad PCI id {pci}")))?,
+                })
+            })
+            .collect::<Result<_, BackendError>>()?;
         Ok(SimBackend {
-            gpus: simgpu::gpu_infos(n, run_dir),
+            gpus,
             run_dir: run_dir.to_path_buf(),
             isolation,
             recovery_ms,
@@ -45,10 +57,10 @@ impl SimBackend {
     }
 
     fn call(&self, req: &SimRequest) -> Result<SimReply, BackendError> {
-        match simgpu::call(&self.run_dir, req, CALL_TIMEOUT) {
+        match mpsr_simgpu::call(&self.run_dir, req, CALL_TIMEOUT) {
             Ok(SimReply::Error(e)) => Err(BackendError::Sim(e)),
             Ok(r) => Ok(r),
-            Err(e) => Err(BackendError::Sim(e)),
+            Err(e) => Err(BackendError::Sim(e.to_string())),
         }
     }
 
@@ -108,8 +120,8 @@ impl SimBackend {
     /// Streams the daemon's NVML-like events and kernel lines into the fault pipeline; reconnects.
     fn event_loop(run_dir: PathBuf, tx: Sender<Signal>) {
         loop {
-            if let Ok(s) = UnixStream::connect(simgpu::control_socket(&run_dir)) {
-                if writeln!(&s, "{}", simgpu::json(&SimRequest::Subscribe)).is_ok() {
+            if let Ok(s) = UnixStream::connect(mpsr_simgpu::control_socket(&run_dir)) {
+                if writeln!(&s, "{}", mpsr_simgpu::json(&SimRequest::Subscribe)).is_ok() {
                     for line in BufReader::new(&s).lines() {
                         let Ok(line) = line else { break };
                         let sig = match serde_json::from_str::<SimReply>(&line) {
@@ -120,7 +132,7 @@ impl SimBackend {
                                 Some(s)
                             }
                             Ok(SimReply::Event(SimEvent::Kmsg(l))) => kmsg::parse_line(&l)
-                                .and_then(|k| signal_from_kernel(&k, Source::Kmsg)),
+                                .and_then(|k| crate::intake::signal_from_kernel(&k, Source::Kmsg)),
                             _ => None,
                         };
                         if let Some(sig) = sig {
@@ -132,6 +144,13 @@ impl SimBackend {
                 }
             }
             std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    fn domains(&self, gpu: u32) -> Vec<mpsr_simgpu::DomainInfo> {
+        match self.call(&SimRequest::Domains { gpu }) {
+            Ok(SimReply::Domains(d)) => d,
+            _ => Vec::new(),
         }
     }
 }
@@ -156,32 +175,57 @@ impl GpuBackend for SimBackend {
         Ok(())
     }
 
-    fn server_state(&self, gpu: u32) -> ServerState {
-        match self.call(&SimRequest::State { gpu }) {
+    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
+        self.call(&SimRequest::StartDomain {
+            domain: spec.id,
+            pipe_dir: spec.pipe_dir.clone(),
+            log_dir: spec.log_dir.clone(),
+            owner_uid: spec.owner_uid,
+            thread_pct: spec.thread_pct,
+            mem_limit: spec.mem_limit,
+        })
+        .map(|_| ())
+    }
+
+    fn stop_domain(&self, id: DomainId) -> Result<(), BackendError> {
+        self.call(&SimRequest::StopDomain { domain: id })
+            .map(|_| ())
+    }
+
+    fn server_state(&self, id: DomainId) -> ServerState {
+        match self.call(&SimRequest::State { domain: id }) {
             Ok(SimReply::State(s)) => s,
             _ => ServerState::Down,
         }
     }
 
-    fn clients(&self, gpu: u32) -> Vec<u32> {
-        match self.call(&SimRequest::Clients { gpu }) {
+    fn clients(&self, id: DomainId) -> Vec<u32> {
+        match self.call(&SimRequest::Clients { domain: id }) {
             Ok(SimReply::Clients(c)) => c,
             _ => vec![],
         }
     }
 
-    fn terminate_client(&self, gpu: u32, pid: u32) -> Result<(), BackendError> {
-        self.call(&SimRequest::Terminate { gpu, pid }).map(|_| ())
+    fn terminate_client(&self, id: DomainId, pid: u32) -> Result<(), BackendError> {
+        self.call(&SimRequest::Terminate { domain: id, pid })
+            .map(|_| ())
+    }
+
+    fn domain_memory(&self, id: DomainId) -> Option<u64> {
+        self.domains(id.gpu)
+            .into_iter()
+            .find(|d| d.domain == id)
+            .map(|d| d.memory_bytes)
     }
 
     fn probe_healthy(&self, gpu: u32) -> bool {
         !matches!(
-            self.server_state(gpu),
+            self.server_state(DomainId::shared(gpu)),
             ServerState::Lost | ServerState::Down
         )
     }
 
-    fn shutdown(&self) {
+    fn shutdown(&self, _domains: &[DomainId]) {
         if self.quit_on_shutdown {
             let _ = self.call(&SimRequest::Quit);
         }
@@ -192,8 +236,14 @@ impl GpuBackend for SimBackend {
         gpu: u32,
         xid: u32,
         culprit: Option<u32>,
+        slot: Option<u32>,
     ) -> Result<Vec<u32>, BackendError> {
-        match self.call(&SimRequest::Inject { gpu, xid, culprit })? {
+        match self.call(&SimRequest::Inject {
+            gpu,
+            xid,
+            culprit,
+            slot,
+        })? {
             SimReply::Killed(k) => Ok(k),
             other => Err(BackendError::Sim(format!("unexpected reply {other:?}"))),
         }

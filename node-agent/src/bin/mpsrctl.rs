@@ -1,7 +1,7 @@
 //! mpsrctl: talk to the node agent.
 
 use clap::{Parser, Subcommand};
-use mpsr_proto::{Client, Mode, Registration, Request, Response};
+use mpsr_proto::{Client, Isolation, Mode, Registration, Request, Response};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -52,6 +52,9 @@ enum Cmd {
         batch: bool,
         #[arg(long)]
         uid: Option<u32>,
+        /// Fault domain: shared, job or user (default: the node's).
+        #[arg(long)]
+        isolation: Option<Isolation>,
     },
     Deregister {
         #[arg(long)]
@@ -71,6 +74,9 @@ enum Cmd {
         gpu: u32,
         #[arg(long)]
         pid: u32,
+        /// The client's fault domain on that GPU (0 = shared).
+        #[arg(long)]
+        slot: Option<u32>,
     },
     /// A job starts on this node (the prolog calls this; root only).
     JobStart {
@@ -99,6 +105,9 @@ enum SimCmd {
         xid: u32,
         #[arg(long)]
         culprit: Option<u32>,
+        /// The fault domain whose server faults (0 = shared; default: the culprit's, else shared).
+        #[arg(long)]
+        slot: Option<u32>,
     },
     /// Bring a simulated lost GPU back (models a GPU reset).
     Recover {
@@ -122,6 +131,7 @@ fn main() -> std::process::ExitCode {
             mode,
             batch,
             uid,
+            isolation,
         } => Request::Register(Registration {
             job_id: *job,
             step_id: *step,
@@ -133,6 +143,7 @@ fn main() -> std::process::ExitCode {
             threads_pct: None,
             mem_limit: None,
             restart_count: 0,
+            isolation: *isolation,
         }),
         Cmd::Deregister {
             job,
@@ -156,16 +167,24 @@ fn main() -> std::process::ExitCode {
             restart_count: *restart_count,
         },
         Cmd::JobEnd { job_id } => Request::JobEnd { job_id: *job_id },
-        Cmd::Terminate { gpu, pid } => Request::TerminateClient {
+        Cmd::Terminate { gpu, pid, slot } => Request::TerminateClient {
             gpu: *gpu,
             pid: *pid,
+            slot: *slot,
         },
         Cmd::Sim {
-            cmd: SimCmd::Inject { gpu, xid, culprit },
+            cmd:
+                SimCmd::Inject {
+                    gpu,
+                    xid,
+                    culprit,
+                    slot,
+                },
         } => Request::SimInject {
             gpu: *gpu,
             xid: *xid,
             culprit: *culprit,
+            slot: *slot,
         },
         Cmd::Sim {
             cmd: SimCmd::Recover { gpu },
@@ -213,17 +232,32 @@ fn print_human(r: &Response) {
                         .map(|u| format!(" UNHEALTHY: {u}"))
                         .unwrap_or_default()
                 );
+                for d in &g.domains {
+                    println!(
+                        "    domain {} ({}) server {:?} jobs {:?} clients {:?} memory {}",
+                        d.domain,
+                        d.tenancy,
+                        d.state,
+                        d.jobs,
+                        d.clients,
+                        d.memory_bytes
+                            .map(|b| format!("{} MiB", b >> 20))
+                            .unwrap_or_else(|| "-".into())
+                    );
+                }
             }
             for t in &s.tasks {
+                let domains: Vec<String> = t.domains.iter().map(|d| d.to_string()).collect();
                 println!(
-                    "  job {} step {} pid {} uid {} gpus {:?} mode {}{}",
+                    "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]",
                     t.job_id,
                     mpsr_agent::decide::step_name(t.step_id),
                     t.pid,
                     t.uid,
                     t.gpus,
                     t.mode,
-                    if t.batch { " batch" } else { "" }
+                    if t.batch { " batch" } else { "" },
+                    domains.join(" ")
                 );
             }
             println!("  pending Slurm actions: {}", s.pending_actions);
@@ -247,6 +281,14 @@ fn print_human(r: &Response) {
                 println!("node {} healthy", h.node);
             } else {
                 println!("node {} UNHEALTHY: {}", h.node, h.reasons.join("; "));
+            }
+        }
+        Response::Registered { contexts } => {
+            for c in contexts {
+                println!(
+                    "registered: gpu{} domain {} ({}) pipe {}",
+                    c.gpu, c.domain, c.isolation, c.pipe_dir
+                );
             }
         }
         Response::Injected { killed, .. } => {

@@ -2,12 +2,15 @@
 //   mpsr_probe victim SECONDS     small kernels in a loop; prints READY, then VICTIM_OK or VICTIM_ERROR
 //   mpsr_probe illegal|trap|misaligned|assert   one faulting kernel (Xid 31 / 43 / 13+43 / none)
 //   mpsr_probe load SECONDS       GPU-bound kernels; prints LOAD_RATE <kernels per second>
+//   mpsr_probe rate SECONDS BLOCKS START_UNIX   small kernels (BLOCKS x 256 threads, one sync each)
+//                                 from wall time START_UNIX on; prints RATE <kernels per second>
 // Every line is flushed so the driver script sees it at once.
 #include <cassert>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -82,6 +85,33 @@ int main(int argc, char **argv) {
       printf("LOAD_RATE %.3f\n", k / (now_s() - t0));
     else
       printf("VICTIM_OK %ld\n", k);
+    fflush(stdout);
+    return 0;
+  }
+  if (!strcmp(mode, "rate")) {
+    int blocks = argc > 3 ? atoi(argv[3]) : 66;
+    double start = argc > 4 ? atof(argv[4]) : 0.0;
+    int n = blocks * 256;
+    float *a;
+    if ((e = cudaMalloc(&a, n * sizeof(float))) != cudaSuccess) return report("RATE_ERROR", e);
+    cudaMemset(a, 0, n * sizeof(float));
+    burn<<<blocks, 256>>>(a, n, 1);  // warm up
+    cudaDeviceSynchronize();
+    printf("READY\n");
+    fflush(stdout);
+    // Every client starts at the same wall-clock moment so their runs overlap fully.
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double wall = ts.tv_sec + ts.tv_nsec / 1e9;
+    if (start > wall) usleep((useconds_t)((start - wall) * 1e6));
+    double t0 = now_s(), end = t0 + secs;
+    long k = 0;
+    while (now_s() < end) {
+      burn<<<blocks, 256>>>(a, n, 64);
+      if ((e = cudaDeviceSynchronize()) != cudaSuccess) return report("RATE_ERROR", e);
+      k++;
+    }
+    printf("RATE %.1f\n", k / (now_s() - t0));
     fflush(stdout);
     return 0;
   }

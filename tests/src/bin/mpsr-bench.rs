@@ -112,9 +112,10 @@ fn register(total: usize) -> mpsr_e2e::Result<()> {
                             threads_pct: None,
                             mem_limit: None,
                             restart_count: 0,
+                            isolation: None,
                         }));
                         lat.push(t.elapsed().as_secs_f64() * 1e6);
-                        assert!(matches!(r, Ok(Response::Ok)), "{r:?}");
+                        assert!(matches!(r, Ok(Response::Registered { .. })), "{r:?}");
                         // Steady state: the task registered 384 ago ends (a node's worth stays).
                         if churn && job >= 384 {
                             let _ = c.call(&Request::Deregister {

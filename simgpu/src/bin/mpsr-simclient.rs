@@ -1,30 +1,33 @@
-//! A SIMULATED MPS client for CI and the demo: a real process that attaches to the simulated MPS server
-//! of the GPU named by CUDA_MPS_PIPE_DIRECTORY and "computes" for a while. It really dies when the
-//! simulated GPU faults (like a CUDA client under MPS), printing the CUDA error a real client saw.
+//! A SIMULATED MPS client for CI and the demo: a real process that attaches to the simulated MPS
+//! server named by CUDA_MPS_PIPE_DIRECTORY and "computes" for a while. It really dies when its
+//! server faults (like a CUDA client under MPS), printing the CUDA error a real client saw.
 
+use clap::Parser;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+#[derive(Parser)]
+#[command(version, about = "a SIMULATED MPS client (no real GPU)")]
+struct Args {
+    /// How long to "compute".
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Attach but keep no work in flight (sleeps; a fault reaches it only at its next GPU call).
+    #[arg(long)]
+    idle: bool,
+    /// GPU memory this client holds, in MiB (shown in the domain's memory).
+    #[arg(long, default_value_t = 0)]
+    mem_mib: u64,
+}
+
 fn main() {
-    let mut secs = 5.0f64;
-    let mut idle = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--seconds" => secs = args.next().and_then(|v| v.parse().ok()).unwrap_or(secs),
-            "--idle" => idle = true,
-            other => {
-                eprintln!("mpsr-simclient: unknown argument {other}\nusage: mpsr-simclient [--seconds N] [--idle]");
-                std::process::exit(2);
-            }
-        }
-    }
+    let a = Args::parse();
     let Some(dir) = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY") else {
         eprintln!("mpsr-simclient: CUDA_MPS_PIPE_DIRECTORY is not set (not an MPS client context)");
         std::process::exit(2);
     };
-    let path = std::path::Path::new(&dir).join("mpsr-sim.sock");
+    let path = std::path::Path::new(&dir).join(mpsr_simgpu::SOCKET_NAME);
     let mut s = match UnixStream::connect(&path) {
         Ok(s) => s,
         Err(e) => {
@@ -32,8 +35,13 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let _ = writeln!(s, "HELLO {}", if idle { "idle" } else { "busy" });
-    let mut r = BufReader::new(s.try_clone().expect("clone"));
+    let kind = if a.idle { "idle" } else { "busy" };
+    let _ = writeln!(s, "HELLO {kind} {}", a.mem_mib << 20);
+    let Ok(clone) = s.try_clone() else {
+        eprintln!("mpsr-simclient: cannot use the socket");
+        std::process::exit(1);
+    };
+    let mut r = BufReader::new(clone);
     let mut line = String::new();
     let _ = r.read_line(&mut line);
     if let Some(err) = line.strip_prefix("ERR ") {
@@ -51,7 +59,7 @@ fn main() {
         let _ = r.read_line(&mut l);
         let _ = tx.send(l);
     });
-    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let end = Instant::now() + Duration::from_secs_f64(a.seconds);
     while Instant::now() < end {
         match rx.recv_timeout(Duration::from_millis(20)) {
             Ok(msg) if msg.starts_with("FAULT ") => {

@@ -1,0 +1,300 @@
+//! The domains' daemons on this node: start (or adopt after an agent restart), placement of a
+//! registering task, log tails (a server.log fatal-error line says *which* server faulted),
+//! probing servers after a fault no domain has shown yet, and stopping domains that stayed empty.
+
+use super::{paths, DomainRecord, DomainSpec, PlaceError};
+use crate::agent::{lock, Agent};
+use crate::backend::BackendError;
+use crate::event::{GpuRef, Signal, Source};
+use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Ask these domains' servers whether they are in FAULT, until `until` (after an application
+/// fault that no domain has shown yet).
+#[derive(Debug, Clone)]
+pub struct DomainProbe {
+    pub fault_id: u64,
+    pub gpu: u32,
+    pub domains: BTreeSet<DomainId>,
+    pub until: Instant,
+}
+
+/// Why a task could not be placed.
+#[derive(Debug, thiserror::Error)]
+pub enum PlacementError {
+    /// The admin's policy refuses it (not allowed, GPU full): the job must not run unprotected.
+    #[error(transparent)]
+    Refused(#[from] PlaceError),
+    #[error("starting fault domain {domain}: {source}")]
+    Start {
+        domain: DomainId,
+        source: BackendError,
+    },
+}
+
+/// Where one task's clients go on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub domain: DomainId,
+    pub isolation: Isolation,
+    pub quarantined: bool,
+}
+
+impl Agent {
+    fn spec(&self, id: DomainId, rec: Option<&DomainRecord>) -> DomainSpec {
+        let (pipe_dir, log_dir) = paths(&self.cfg.run_dir, id);
+        let admin_pct = Some(self.cfg.mps.default_thread_pct).filter(|p| *p < 100);
+        let admin_mem = crate::config::parse_size(&self.cfg.mps.default_pinned_mem_limit);
+        DomainSpec {
+            id,
+            pipe_dir,
+            log_dir,
+            owner_uid: rec.and_then(|r| r.owner_uid),
+            thread_pct: rec.and_then(|r| r.thread_pct).or(admin_pct),
+            mem_limit: rec.and_then(|r| r.mem_limit).or(admin_mem),
+        }
+    }
+
+    /// Starts (or adopts) each GPU's shared domain and every recorded domain; a recorded domain
+    /// that cannot be started is dropped from the table (its tasks are gone with it).
+    pub(crate) fn start_domains(&self) -> Result<(), BackendError> {
+        let _serial = lock(&self.domain_ops);
+        for g in self.backend.gpus() {
+            self.start_domain(&self.spec(DomainId::shared(g.index), None))?;
+        }
+        let records: Vec<DomainRecord> = self.state().d.domains.records().cloned().collect();
+        for r in records {
+            match self.start_domain(&self.spec(r.id, Some(&r))) {
+                Ok(()) => {
+                    tracing::info!(domain = %r.id, tenancy = %r.tenancy, "fault domain adopted")
+                }
+                Err(e) => {
+                    tracing::error!(domain = %r.id, error = %e, "fault domain could not be started again; dropped");
+                    self.state().d.domains.remove(r.id);
+                    self.mark_dirty();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Callers hold `domain_ops`: a domain is never started and stopped at once.
+    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
+        let t0 = Instant::now();
+        self.backend.start_domain(spec)?;
+        tracing::debug!(domain = %spec.id, ms = t0.elapsed().as_millis() as u64, "fault domain daemon up");
+        if self.cfg.faults.mps_logs {
+            let stop = Arc::new(AtomicBool::new(false));
+            if let Some(old) = lock(&self.log_tails).insert(spec.id, stop.clone()) {
+                old.store(true, Ordering::SeqCst);
+            }
+            if let Some(tx) = self.signal_sender() {
+                for name in ["server.log", "control.log"] {
+                    crate::intake::spawn_log_tail(
+                        spec.id,
+                        spec.log_dir.join(name),
+                        tx.clone(),
+                        stop.clone(),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn stop_domain(&self, id: DomainId) {
+        if let Some(stop) = lock(&self.log_tails).remove(&id) {
+            stop.store(true, Ordering::SeqCst);
+        }
+        match self.backend.stop_domain(id) {
+            Ok(()) => tracing::info!(domain = %id, "empty fault domain stopped"),
+            Err(e) => tracing::warn!(domain = %id, error = %e, "stopping fault domain failed"),
+        }
+    }
+
+    /// Places a registering task on each of its GPUs, starting new domains' daemons. Called with
+    /// the task's trusted identity (job, uid), before it is registered.
+    pub fn place_task(
+        &self,
+        job: u32,
+        uid: u32,
+        gpus: &[u32],
+        asked: Option<Isolation>,
+        limits: (Option<u8>, Option<u64>),
+    ) -> Result<Vec<Placement>, PlacementError> {
+        let mut out = Vec::new();
+        let mut to_start = Vec::new();
+        // Held until the new daemons are up: a second task of the job must not get a context
+        // for a domain still starting, nor the linger loop stop it meanwhile.
+        let _serial = lock(&self.domain_ops);
+        {
+            let mut st = self.state();
+            let now = crate::event::now_ms();
+            for &gpu in gpus {
+                let p =
+                    st.d.domains
+                        .place(&self.policy, gpu, job, uid, asked, limits, now)?;
+                if let Some(rec) = p.start {
+                    to_start.push(rec);
+                }
+                out.push(Placement {
+                    domain: p.id,
+                    isolation: p.isolation,
+                    quarantined: p.quarantined,
+                });
+            }
+        }
+        if !to_start.is_empty() {
+            self.mark_dirty();
+        }
+        for rec in to_start {
+            // A domain taken over from an earlier tenant gets a fresh daemon (owner, limits).
+            if self.backend.server_state(rec.id) != ServerState::Down {
+                self.stop_domain(rec.id);
+            }
+            if let Err(source) = self.start_domain(&self.spec(rec.id, Some(&rec))) {
+                self.state().d.domains.remove(rec.id);
+                self.mark_dirty();
+                return Err(PlacementError::Start {
+                    domain: rec.id,
+                    source,
+                });
+            }
+            tracing::info!(domain = %rec.id, tenancy = %rec.tenancy, owner_uid = ?rec.owner_uid, "fault domain started");
+        }
+        Ok(out)
+    }
+
+    /// Stops job and user domains that had neither registered tasks nor clients for the linger time.
+    pub(crate) fn domain_loop(self: Arc<Self>) {
+        let linger_ms = self.cfg.mps.domain_linger_s * 1000;
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
+                let st = self.state();
+                let ids = st.d.domains.records().map(|r| r.id).collect();
+                let used =
+                    st.d.registry
+                        .tasks()
+                        .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
+                        .collect();
+                (ids, used)
+            };
+            // A client not (yet) registered keeps its domain alive too.
+            let busy: BTreeSet<DomainId> = ids
+                .into_iter()
+                .filter(|d| used.contains(d) || !self.backend.clients(*d).is_empty())
+                .collect();
+            let _serial = lock(&self.domain_ops);
+            let expired = {
+                let mut st = self.state();
+                let now = crate::event::now_ms();
+                let used_now: BTreeSet<DomainId> =
+                    st.d.registry
+                        .tasks()
+                        .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
+                        .collect();
+                let e = st.d.domains.expired(
+                    |d| busy.contains(&d) || used_now.contains(&d),
+                    now,
+                    linger_ms,
+                );
+                for d in &e {
+                    st.d.domains.remove(*d);
+                }
+                e
+            };
+            if expired.is_empty() {
+                continue;
+            }
+            self.mark_dirty();
+            for d in expired {
+                self.stop_domain(d);
+            }
+        }
+    }
+
+    pub(crate) fn request_probe(&self, p: DomainProbe) {
+        if let Some(tx) = lock(&self.probes).as_ref() {
+            let _ = tx.send(p);
+        }
+    }
+
+    /// Polls the servers of an awaited fault's domains; a server in FAULT is a signal for its domain.
+    pub(crate) fn probe_loop(self: Arc<Self>, rx: Receiver<DomainProbe>) {
+        while let Ok(mut p) = rx.recv() {
+            while Instant::now() < p.until && !p.domains.is_empty() {
+                let faulted: Vec<DomainId> = p
+                    .domains
+                    .iter()
+                    .copied()
+                    .filter(|d| self.backend.server_state(*d) == ServerState::Fault)
+                    .collect();
+                for d in faulted {
+                    p.domains.remove(&d);
+                    if let Some(tx) = self.signal_sender() {
+                        let mut s = Signal::new(Source::MpsStatus, GpuRef::Index(p.gpu), None);
+                        s.domain = Some(d.slot);
+                        s.detail = format!("{d} server in FAULT (get_server_status)");
+                        let _ = tx.send(s);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(25));
+            }
+            let mut st = self.state();
+            let still = st
+                .history
+                .iter()
+                .rev()
+                .find(|r| r.fault_id == p.fault_id)
+                .is_some_and(|r| r.awaiting_domain);
+            if still {
+                let line = "no fault domain showed the fault (no server.log fatal error, no server in FAULT): nobody was acted on".to_string();
+                tracing::warn!(fault_id = p.fault_id, gpu = p.gpu, "{line}");
+                self.add_outcome(&mut st, p.fault_id, line);
+            }
+        }
+    }
+
+    /// Status of a GPU's domains; `own` filters jobs (and hides clients) for untrusted callers.
+    pub fn domain_status(&self, gpu: u32, own: Option<&BTreeSet<u32>>) -> Vec<DomainStatus> {
+        let (domains, jobs) = {
+            let st = self.state();
+            let domains: Vec<(DomainId, String)> = self
+                .domains_of_gpu(&st, gpu)
+                .into_iter()
+                .map(|d| (d, st.d.domains.tenancy(d).to_string()))
+                .collect();
+            (domains, super::jobs_by_domain(st.d.registry.tasks(), gpu))
+        };
+        domains
+            .into_iter()
+            .map(|(d, tenancy)| DomainStatus {
+                domain: d,
+                tenancy: if own.is_some() && !d.is_shared() {
+                    "private".into()
+                } else {
+                    tenancy
+                },
+                state: self.backend.server_state(d),
+                clients: if own.is_none() {
+                    self.backend.clients(d)
+                } else {
+                    vec![]
+                },
+                jobs: jobs
+                    .get(&d)
+                    .into_iter()
+                    .flatten()
+                    .copied()
+                    .filter(|j| own.is_none_or(|o| o.contains(j)))
+                    .collect(),
+                memory_bytes: self.backend.domain_memory(d),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,464 @@
+//! The domain table: placement of jobs into domains, the per-GPU cap, linger and quarantine.
+
+use mpsr_proto::{DomainId, Isolation};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Whose domain it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "id", rename_all = "snake_case")]
+pub enum Tenancy {
+    Shared,
+    Job(u32),
+    User(u32),
+}
+
+impl std::fmt::Display for Tenancy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tenancy::Shared => f.write_str("shared"),
+            Tenancy::Job(j) => write!(f, "job {j}"),
+            Tenancy::User(u) => write!(f, "uid {u}"),
+        }
+    }
+}
+
+/// Pipe and log directory of a domain. The shared domain keeps the one-daemon-per-GPU layout
+/// (`<run_dir>/gpuN/{pipe,log}`), so a running daemon of an older agent is adopted as it is.
+pub fn paths(run_dir: &Path, d: DomainId) -> (PathBuf, PathBuf) {
+    let gpu = run_dir.join(format!("gpu{}", d.gpu));
+    let base = if d.is_shared() {
+        gpu
+    } else {
+        gpu.join(format!("d{}", d.slot))
+    };
+    (base.join("pipe"), base.join("log"))
+}
+
+/// What a domain's daemon is started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainSpec {
+    pub id: DomainId,
+    pub pipe_dir: PathBuf,
+    pub log_dir: PathBuf,
+    /// Only this uid's processes may open the pipe directory (job and user domains).
+    pub owner_uid: Option<u32>,
+    /// Server defaults (`set_default_active_thread_percentage`, pinned memory limit).
+    pub thread_pct: Option<u8>,
+    pub mem_limit: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainRecord {
+    pub id: DomainId,
+    pub tenancy: Tenancy,
+    /// The uid whose processes alone may open the pipe directory.
+    pub owner_uid: Option<u32>,
+    pub thread_pct: Option<u8>,
+    pub mem_limit: Option<u64>,
+    /// Unix ms since when no registered task uses it; it is stopped `linger` after.
+    #[serde(default)]
+    pub empty_since_ms: Option<u64>,
+}
+
+/// Who goes to a domain of their own after being the culprit of a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuarantineRule {
+    Off,
+    /// The job (its next run, e.g. after a requeue) gets a domain of its own.
+    Job,
+    /// Every job of the culprit's user gets a domain of its own.
+    User,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "id", rename_all = "snake_case")]
+pub enum Quarantined {
+    Job(u32),
+    User(u32),
+}
+
+/// The admin's placement rules (agent TOML `[mps]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub default: Isolation,
+    pub allowed: BTreeSet<Isolation>,
+    /// Domains per GPU, the shared one included.
+    pub max_per_gpu: u32,
+    pub quarantine: QuarantineRule,
+    pub quarantine_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlaceError {
+    #[error("isolation '{asked}' is not allowed on this node (allowed: {allowed})")]
+    NotAllowed { asked: Isolation, allowed: String },
+    #[error("gpu{gpu} already has {max} fault domains (mps.max_domains_per_gpu), all in use")]
+    Full { gpu: u32, max: u32 },
+}
+
+/// Where a task was placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub id: DomainId,
+    pub isolation: Isolation,
+    /// Placed apart because the job or its user was the culprit of an earlier fault.
+    pub quarantined: bool,
+    /// A new (or re-assigned) domain whose daemon must be started with this before use.
+    pub start: Option<DomainRecord>,
+}
+
+/// Every non-shared domain and the quarantine list (durable).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainTable {
+    domains: Vec<DomainRecord>,
+    #[serde(default)]
+    quarantine: Vec<(Quarantined, u64)>,
+}
+
+impl DomainTable {
+    pub fn records(&self) -> impl Iterator<Item = &DomainRecord> {
+        self.domains.iter()
+    }
+
+    pub fn get(&self, id: DomainId) -> Option<&DomainRecord> {
+        self.domains.iter().find(|r| r.id == id)
+    }
+
+    pub fn tenancy(&self, id: DomainId) -> Tenancy {
+        self.get(id).map_or(Tenancy::Shared, |r| r.tenancy)
+    }
+
+    pub fn remove(&mut self, id: DomainId) -> Option<DomainRecord> {
+        let i = self.domains.iter().position(|r| r.id == id)?;
+        Some(self.domains.remove(i))
+    }
+
+    /// Chooses the domain for a job's task on `gpu`. Tasks of one job on one GPU share a domain;
+    /// a quarantined job or user gets one of its own whatever was asked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn place(
+        &mut self,
+        policy: &Policy,
+        gpu: u32,
+        job: u32,
+        uid: u32,
+        asked: Option<Isolation>,
+        limits: (Option<u8>, Option<u64>),
+        now_ms: u64,
+    ) -> Result<Placed, PlaceError> {
+        let isolation = asked.unwrap_or(policy.default);
+        if !policy.allowed.contains(&isolation) {
+            return Err(PlaceError::NotAllowed {
+                asked: isolation,
+                allowed: policy
+                    .allowed
+                    .iter()
+                    .map(|i| i.name())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        self.quarantine.retain(|(_, until)| *until > now_ms);
+        let quarantined = self
+            .quarantine
+            .iter()
+            .any(|(q, _)| *q == Quarantined::Job(job) || *q == Quarantined::User(uid));
+        let tenancy = match (quarantined, isolation) {
+            (true, _) | (false, Isolation::Job) => Tenancy::Job(job),
+            (false, Isolation::User) => Tenancy::User(uid),
+            (false, Isolation::Shared) => Tenancy::Shared,
+        };
+        let placed = |id, start| Placed {
+            id,
+            isolation: if quarantined {
+                Isolation::Job
+            } else {
+                isolation
+            },
+            quarantined,
+            start,
+        };
+        if tenancy == Tenancy::Shared {
+            return Ok(placed(DomainId::shared(gpu), None));
+        }
+        if let Some(r) = self
+            .domains
+            .iter_mut()
+            .find(|r| r.id.gpu == gpu && r.tenancy == tenancy)
+        {
+            r.empty_since_ms = None;
+            return Ok(placed(r.id, None));
+        }
+        let record = |id| DomainRecord {
+            id,
+            tenancy,
+            owner_uid: Some(uid),
+            thread_pct: limits.0,
+            mem_limit: limits.1,
+            empty_since_ms: None,
+        };
+        let used: BTreeSet<u32> = self
+            .domains
+            .iter()
+            .filter(|r| r.id.gpu == gpu)
+            .map(|r| r.id.slot)
+            .collect();
+        if let Some(slot) = (1..policy.max_per_gpu).find(|s| !used.contains(s)) {
+            let r = record(DomainId { gpu, slot });
+            self.domains.push(r.clone());
+            return Ok(placed(r.id, Some(r)));
+        }
+        // Full: take over the domain that has been empty longest (its daemon keeps running).
+        let reuse = self
+            .domains
+            .iter_mut()
+            .filter(|r| r.id.gpu == gpu && r.empty_since_ms.is_some())
+            .min_by_key(|r| r.empty_since_ms);
+        match reuse {
+            Some(r) => {
+                *r = record(r.id);
+                Ok(placed(r.id, Some(r.clone())))
+            }
+            None => Err(PlaceError::Full {
+                gpu,
+                max: policy.max_per_gpu,
+            }),
+        }
+    }
+
+    /// Remembers a fault's culprit so that its next run is placed apart; returns who, when newly
+    /// quarantined (a re-decision of the same fault only extends it).
+    pub fn quarantine(
+        &mut self,
+        policy: &Policy,
+        job: u32,
+        uid: u32,
+        now_ms: u64,
+    ) -> Option<Quarantined> {
+        let who = match policy.quarantine {
+            QuarantineRule::Off => return None,
+            QuarantineRule::Job => Quarantined::Job(job),
+            QuarantineRule::User => Quarantined::User(uid),
+        };
+        let until = now_ms + policy.quarantine_ms;
+        let before = self.quarantine.len();
+        self.quarantine.retain(|(q, _)| *q != who);
+        let new = self.quarantine.len() == before;
+        self.quarantine.push((who, until));
+        new.then_some(who)
+    }
+
+    pub fn quarantined(&self) -> impl Iterator<Item = &(Quarantined, u64)> {
+        self.quarantine.iter()
+    }
+
+    /// Updates emptiness from `in_use` and returns the domains empty for longer than `linger_ms`.
+    pub fn expired(
+        &mut self,
+        in_use: impl Fn(DomainId) -> bool,
+        now_ms: u64,
+        linger_ms: u64,
+    ) -> Vec<DomainId> {
+        let mut out = Vec::new();
+        for r in &mut self.domains {
+            if in_use(r.id) {
+                r.empty_since_ms = None;
+            } else {
+                let since = *r.empty_since_ms.get_or_insert(now_ms);
+                if now_ms.saturating_sub(since) >= linger_ms {
+                    out.push(r.id);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The domains of each GPU that a set of tasks uses, with their jobs.
+pub fn jobs_by_domain<'a>(
+    tasks: impl Iterator<Item = &'a crate::registry::Task>,
+    gpu: u32,
+) -> BTreeMap<DomainId, BTreeSet<u32>> {
+    let mut m: BTreeMap<DomainId, BTreeSet<u32>> = BTreeMap::new();
+    for t in tasks {
+        if let Some(d) = t.domain_on(gpu) {
+            m.entry(d).or_default().insert(t.job_id);
+        }
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(max: u32) -> Policy {
+        Policy {
+            default: Isolation::Shared,
+            allowed: Isolation::ALL.into_iter().collect(),
+            max_per_gpu: max,
+            quarantine: QuarantineRule::Job,
+            quarantine_ms: 1000,
+        }
+    }
+
+    #[test]
+    fn placement_by_isolation() {
+        let p = policy(4);
+        let mut t = DomainTable::default();
+        let none = (None, None);
+        let shared = t.place(&p, 0, 1, 100, None, none, 0).unwrap();
+        assert_eq!(shared.id, DomainId::shared(0));
+        assert!(shared.start.is_none());
+        let a = t
+            .place(&p, 0, 2, 100, Some(Isolation::Job), (Some(50), None), 0)
+            .unwrap();
+        assert_eq!(a.id, DomainId { gpu: 0, slot: 1 });
+        assert_eq!(a.start.as_ref().unwrap().thread_pct, Some(50));
+        // Another task of the same job joins its domain; nothing to start.
+        let a2 = t
+            .place(&p, 0, 2, 100, Some(Isolation::Job), none, 0)
+            .unwrap();
+        assert_eq!((a2.id, a2.start), (a.id, None));
+        let b = t
+            .place(&p, 0, 3, 100, Some(Isolation::Job), none, 0)
+            .unwrap();
+        assert_eq!(b.id.slot, 2);
+        let u1 = t
+            .place(&p, 0, 4, 200, Some(Isolation::User), none, 0)
+            .unwrap();
+        let u2 = t
+            .place(&p, 0, 5, 200, Some(Isolation::User), none, 0)
+            .unwrap();
+        assert_eq!(u1.id, u2.id, "one domain per user");
+        assert_eq!(t.get(u1.id).unwrap().owner_uid, Some(200));
+        // The same job on another GPU gets a domain there.
+        let other = t
+            .place(&p, 1, 2, 100, Some(Isolation::Job), none, 0)
+            .unwrap();
+        assert_eq!(other.id, DomainId { gpu: 1, slot: 1 });
+    }
+
+    #[test]
+    fn cap_refuses_unless_an_empty_domain_can_be_taken_over() {
+        let p = policy(2);
+        let mut t = DomainTable::default();
+        let none = (None, None);
+        let a = t
+            .place(&p, 0, 1, 100, Some(Isolation::Job), none, 0)
+            .unwrap();
+        let e = t
+            .place(&p, 0, 2, 100, Some(Isolation::Job), none, 0)
+            .unwrap_err();
+        assert_eq!(e, PlaceError::Full { gpu: 0, max: 2 });
+        assert!(e.to_string().contains("mps.max_domains_per_gpu"));
+        // Job 1 ended: its domain is empty, so job 2 takes it over.
+        assert!(t.expired(|_| false, 10, 1_000).is_empty());
+        let b = t
+            .place(&p, 0, 2, 100, Some(Isolation::Job), none, 20)
+            .unwrap();
+        assert_eq!(b.id, a.id);
+        assert_eq!(b.start.unwrap().tenancy, Tenancy::Job(2));
+    }
+
+    #[test]
+    fn not_allowed_is_refused_with_the_allowed_list() {
+        let mut p = policy(4);
+        p.allowed = [Isolation::Shared].into_iter().collect();
+        let mut t = DomainTable::default();
+        let e = t
+            .place(&p, 0, 1, 100, Some(Isolation::Job), (None, None), 0)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "isolation 'job' is not allowed on this node (allowed: shared)"
+        );
+    }
+
+    #[test]
+    fn quarantined_job_goes_apart_until_it_expires() {
+        let p = policy(4);
+        let mut t = DomainTable::default();
+        assert_eq!(t.quarantine(&p, 7, 100, 0), Some(Quarantined::Job(7)));
+        assert_eq!(t.quarantine(&p, 7, 100, 5), None, "extended, not new");
+        let q = t.place(&p, 0, 7, 100, None, (None, None), 10).unwrap();
+        assert!(q.quarantined);
+        assert_eq!(q.isolation, Isolation::Job);
+        assert_eq!(t.tenancy(q.id), Tenancy::Job(7));
+        // Another job of the same user is not affected by a job quarantine.
+        let other = t.place(&p, 0, 8, 100, None, (None, None), 10).unwrap();
+        assert!(other.id.is_shared());
+        // Expired: shared again.
+        let later = t.place(&p, 0, 7, 100, None, (None, None), 2_000).unwrap();
+        assert!(!later.quarantined && later.id.is_shared());
+        let mut pu = p.clone();
+        pu.quarantine = QuarantineRule::User;
+        assert!(t.quarantine(&pu, 7, 100, 3_000).is_some());
+        assert!(
+            t.place(&pu, 0, 9, 100, None, (None, None), 3_001)
+                .unwrap()
+                .quarantined
+        );
+        let mut off = p;
+        off.quarantine = QuarantineRule::Off;
+        assert!(t.quarantine(&off, 10, 300, 3_000).is_none());
+        assert!(
+            !t.place(&off, 0, 10, 300, None, (None, None), 3_001)
+                .unwrap()
+                .quarantined
+        );
+    }
+
+    #[test]
+    fn empty_domains_expire_after_linger() {
+        let p = policy(4);
+        let mut t = DomainTable::default();
+        let a = t
+            .place(&p, 0, 1, 100, Some(Isolation::Job), (None, None), 0)
+            .unwrap();
+        assert!(t.expired(|_| true, 0, 100).is_empty());
+        assert!(
+            t.expired(|_| false, 1_000, 100).is_empty(),
+            "starts lingering"
+        );
+        assert_eq!(t.expired(|_| false, 1_100, 100), vec![a.id]);
+        // In use again: lingering stops.
+        assert!(t.expired(|_| true, 1_200, 100).is_empty());
+        assert!(t.expired(|_| false, 1_250, 100).is_empty());
+    }
+
+    #[test]
+    fn paths_keep_the_shared_layout() {
+        let run = Path::new("/run/m");
+        assert_eq!(
+            paths(run, DomainId::shared(1)),
+            ("/run/m/gpu1/pipe".into(), "/run/m/gpu1/log".into())
+        );
+        assert_eq!(
+            paths(run, DomainId { gpu: 1, slot: 3 }).0,
+            PathBuf::from("/run/m/gpu1/d3/pipe")
+        );
+    }
+
+    #[test]
+    fn table_roundtrips() {
+        let p = policy(4);
+        let mut t = DomainTable::default();
+        t.place(
+            &p,
+            0,
+            1,
+            100,
+            Some(Isolation::Job),
+            (Some(30), Some(1 << 30)),
+            0,
+        )
+        .unwrap();
+        let _ = t.quarantine(&p, 1, 100, 0);
+        let s = serde_json::to_string(&t).unwrap();
+        assert_eq!(serde_json::from_str::<DomainTable>(&s).unwrap(), t);
+    }
+}

@@ -1,0 +1,150 @@
+//! Group commit of the agent's state: mutations bump a generation; one writer thread persists and
+//! bumps the durable generation. Registry changes alone go to the journal (cheap); anything else
+//! rewrites the state file.
+
+use crate::agent::{lock, Agent};
+use crate::persist;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+pub struct Persister {
+    gens: Mutex<(u64, u64)>,
+    cv: Condvar,
+    full: AtomicBool,
+    journal: Mutex<crate::journal::Journal>,
+    /// The decision history changed (kept in its own file; not needed for correctness).
+    history: AtomicBool,
+}
+
+/// A full state file after this many journal entries.
+const JOURNAL_MAX: usize = 20_000;
+
+impl Persister {
+    pub fn new(journal_path: &std::path::Path) -> Persister {
+        Persister {
+            gens: Mutex::new((1, 0)),
+            cv: Condvar::new(),
+            // The first write is a full one: it folds the replayed journal into the state file.
+            full: AtomicBool::new(true),
+            journal: Mutex::new(crate::journal::Journal::new(journal_path)),
+            history: AtomicBool::new(false),
+        }
+    }
+
+    /// Marks the decision history changed (written off the fault path).
+    pub fn history_changed(&self) {
+        self.history.store(true, SeqCst);
+    }
+}
+
+impl Agent {
+    fn state_file(&self) -> std::path::PathBuf {
+        self.cfg.state_dir.join("state.json")
+    }
+    fn history_file(&self) -> std::path::PathBuf {
+        self.cfg.state_dir.join("history.json")
+    }
+
+    /// Marks the durable state changed; returns the generation to wait for.
+    pub fn mark_dirty(&self) -> u64 {
+        let mut g = lock(&self.persister.gens);
+        self.persister.full.store(true, SeqCst);
+        g.0 += 1;
+        self.persister.cv.notify_all();
+        g.0
+    }
+
+    /// Marks registry changes recorded with `State::journal` (only a journal append is needed).
+    pub fn mark_journaled(&self) -> u64 {
+        let mut g = lock(&self.persister.gens);
+        g.0 += 1;
+        self.persister.cv.notify_all();
+        g.0
+    }
+
+    /// Blocks until generation `gen` is on disk (bounded: a stuck disk must not hang callers forever).
+    pub fn wait_durable(&self, gen: u64) -> bool {
+        let mut g = lock(&self.persister.gens);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while g.1 < gen {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = self
+                .persister
+                .cv
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    pub(crate) fn persist_now(&self) {
+        let (target, mut full) = {
+            let g = lock(&self.persister.gens);
+            (g.0, self.persister.full.swap(false, SeqCst))
+        };
+        let mut journal = lock(&self.persister.journal);
+        full |= journal.len > JOURNAL_MAX;
+        let result = if full {
+            let body = {
+                let mut st = self.state();
+                // Everything journaled so far is in memory, hence in this file.
+                st.d.journal_seq = st.next_seq - 1;
+                st.journal_pending.clear();
+                serde_json::to_vec(&st.d)
+            };
+            body.map_err(|e| e.to_string())
+                .and_then(|b| {
+                    persist::write_atomic_bytes(&self.state_file(), &b).map_err(|e| e.to_string())
+                })
+                .and_then(|_| journal.reset().map_err(|e| e.to_string()))
+        } else {
+            let entries = std::mem::take(&mut self.state().journal_pending);
+            if entries.is_empty() {
+                Ok(())
+            } else {
+                journal.append(&entries).map_err(|e| e.to_string())
+            }
+        };
+        if self.persister.history.swap(false, SeqCst) {
+            let body = serde_json::to_vec(&self.state().history);
+            if let Err(e) = body.map_err(|e| e.to_string()).and_then(|b| {
+                persist::write_atomic_bytes(&self.history_file(), &b).map_err(|e| e.to_string())
+            }) {
+                tracing::warn!(error = %e, "writing the decision history failed");
+            }
+        }
+        match result {
+            Ok(()) => {
+                let mut g = lock(&self.persister.gens);
+                g.1 = g.1.max(target);
+                self.persister.cv.notify_all();
+            }
+            Err(e) => {
+                // The next attempt writes the whole state, which holds whatever was lost here.
+                self.persister.full.store(true, SeqCst);
+                tracing::error!(error = %e, "persisting state failed; will retry");
+            }
+        }
+    }
+
+    pub(crate) fn persist_loop(self: Arc<Self>) {
+        loop {
+            {
+                let mut g = lock(&self.persister.gens);
+                while g.1 >= g.0 {
+                    g = self.persister.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            let before = lock(&self.persister.gens).1;
+            self.persist_now();
+            if lock(&self.persister.gens).1 == before {
+                std::thread::sleep(Duration::from_millis(200)); // write failed; back off
+            }
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! Executes pending Slurm actions (requeue, drain) outside the state lock, with retries and backoff;
+//! each result becomes an outcome line of its fault and job.
+
+use crate::agent::Agent;
+use crate::slurm::{Outcome, SlurmOp};
+use crate::state::{push_outcome, DONE_KEYS_KEPT};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+impl Agent {
+    /// Executes pending Slurm actions outside the state lock; retries with backoff.
+    pub(crate) fn slurm_loop(self: Arc<Self>) {
+        let mut not_before: BTreeMap<String, Instant> = BTreeMap::new();
+        loop {
+            let next = {
+                let mut st = self.state();
+                loop {
+                    let now = Instant::now();
+                    let ready =
+                        st.d.pending
+                            .iter()
+                            .find(|p| not_before.get(&p.key).is_none_or(|t| *t <= now))
+                            .cloned();
+                    if let Some(p) = ready {
+                        break p;
+                    }
+                    st = self
+                        .slurm_wake
+                        .wait_timeout(st, Duration::from_millis(100))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            };
+            let outcome = self
+                .slurm
+                .execute(&next.op, !next.fresh || next.attempts > 0);
+            let mut st = self.state();
+            let job = match &next.op {
+                SlurmOp::Requeue { job_id, .. } => Some(*job_id),
+                SlurmOp::Drain { .. } => None,
+            };
+            let attempts = next.attempts + 1;
+            let finished = match &outcome {
+                Outcome::Done(m) | Outcome::Permanent(m) => Some(m.clone()),
+                Outcome::Retry(e) if attempts >= self.slurm.max_attempts() => {
+                    Some(format!("gave up after {attempts} attempts: {e}"))
+                }
+                Outcome::Retry(e) => {
+                    tracing::warn!(key = %next.key, attempt = attempts, error = %e, "Slurm action failed; will retry");
+                    if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == next.key) {
+                        p.attempts = attempts;
+                        p.last_error = Some(e.clone());
+                    }
+                    not_before.insert(
+                        next.key.clone(),
+                        Instant::now() + self.slurm.backoff(attempts),
+                    );
+                    None
+                }
+            };
+            if let Some(msg) = finished {
+                let ok = matches!(outcome, Outcome::Done(_));
+                if ok {
+                    tracing::info!(key = %next.key, "{msg}");
+                } else {
+                    tracing::error!(key = %next.key, "Slurm action failed for good: {msg}");
+                }
+                st.d.pending.retain(|p| p.key != next.key);
+                not_before.remove(&next.key);
+                st.d.done_keys.push_back(next.key.clone());
+                while st.d.done_keys.len() > DONE_KEYS_KEPT {
+                    st.d.done_keys.pop_front();
+                }
+                let line = if ok { msg } else { format!("FAILED: {msg}") };
+                if let Some(j) = job {
+                    push_outcome(
+                        &mut st.d.outcomes,
+                        j,
+                        format!("fault {}: {line}", next.fault_id),
+                    );
+                }
+                self.add_outcome(&mut st, next.fault_id, line);
+            }
+            drop(st);
+            let g = self.mark_dirty();
+            self.wait_durable(g);
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! What the agent keeps: the durable part (survives restarts) and the in-memory part of its state.
+
+use crate::domain::DomainTable;
+use crate::event::Correlator;
+use crate::registry::Registry;
+use crate::slurm::PendingAction;
+use crate::xid::FaultClass;
+use mpsr_proto::{DecisionRecord, DomainId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+pub const DONE_KEYS_KEPT: usize = 10_000;
+const OUTCOME_JOBS_KEPT: usize = 2_000;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeEntry {
+    pub fault_id: u64,
+    pub gpu: u32,
+    /// The task's domain on that GPU: its server must be ACTIVE again before a restart.
+    #[serde(default)]
+    pub slot: u32,
+    /// Set for culprits and tasks on an unusable GPU: their supervisor is told to fail.
+    pub fail: Option<String>,
+}
+
+impl ResumeEntry {
+    pub fn domain(&self) -> DomainId {
+        DomainId {
+            gpu: self.gpu,
+            slot: self.slot,
+        }
+    }
+}
+/// Everything that must survive an agent restart.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Durable {
+    pub registry: Registry,
+    /// Job and user fault domains, and who is quarantined.
+    #[serde(default)]
+    pub domains: DomainTable,
+    pub next_fault_id: u64,
+    pub pending: Vec<PendingAction>,
+    pub done_keys: VecDeque<String>,
+    /// job -> outcome lines (requeue done, resume handed over, ...).
+    pub outcomes: BTreeMap<u32, Vec<String>>,
+    /// `job.step.pid` -> resume entry.
+    pub resume: BTreeMap<String, ResumeEntry>,
+    /// gpu -> why it is unhealthy (hardware fault class).
+    pub unhealthy: BTreeMap<u32, (FaultClass, String)>,
+    /// Reports of jobs that ended here, with their owner uid, for `mpsrctl report` afterwards.
+    #[serde(default)]
+    pub finished: BTreeMap<u32, (u32, mpsr_proto::JobReport)>,
+    /// The last registry journal entry this state file includes.
+    #[serde(default)]
+    pub journal_seq: u64,
+}
+
+/// A domain whose server is expected to be in FAULT after a decision.
+pub struct Recovering {
+    pub fault_id: u64,
+    pub since: Instant,
+    pub terminated: BTreeSet<u32>,
+}
+
+pub struct State {
+    pub d: Durable,
+    pub history: VecDeque<DecisionRecord>,
+    pub correlator: Correlator,
+    pub recovering: BTreeMap<DomainId, Recovering>,
+    /// Tasks that just exited abnormally. A fault kills its clients at about the moment its Xid is
+    /// reported, so a victim may deregister before the fault's first signal arrives: it still
+    /// counts as hit for a short while.
+    pub recent_exits: VecDeque<(Instant, crate::registry::Task)>,
+    /// Registry changes not yet in the journal file.
+    pub journal_pending: Vec<crate::journal::Entry>,
+    pub next_seq: u64,
+}
+
+impl State {
+    /// Records a registry change for the journal (the change itself is already applied).
+    pub fn journal(&mut self, op: crate::journal::Op) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.journal_pending.push(crate::journal::Entry { seq, op });
+    }
+
+    /// Notes an abnormal task exit (see `recent_exits`).
+    pub fn note_exit(&mut self, t: crate::registry::Task, keep: Duration) {
+        self.recent_exits.retain(|(at, _)| at.elapsed() < keep);
+        self.recent_exits.push_back((Instant::now(), t));
+        while self.recent_exits.len() > 10_000 {
+            self.recent_exits.pop_front();
+        }
+    }
+}
+
+/// Keeps a finished job's report (bounded like the outcome lines).
+pub fn archive_report(d: &mut Durable, owner: u32, report: mpsr_proto::JobReport) {
+    d.finished.insert(report.job_id, (owner, report));
+    while d.finished.len() > OUTCOME_JOBS_KEPT {
+        let Some(first) = d.finished.keys().next().copied() else {
+            break;
+        };
+        d.finished.remove(&first);
+    }
+}
+
+pub fn push_outcome(outcomes: &mut BTreeMap<u32, Vec<String>>, job: u32, line: String) {
+    outcomes.entry(job).or_default().push(line);
+    while outcomes.len() > OUTCOME_JOBS_KEPT {
+        let Some(first) = outcomes.keys().next().copied() else {
+            break;
+        };
+        outcomes.remove(&first);
+    }
+}

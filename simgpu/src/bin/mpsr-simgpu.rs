@@ -1,0 +1,44 @@
+//! mpsr-simgpu: SIMULATED GPUs and their MPS servers (CI and the demo only). Started by the agent
+//! with `backend = "sim"`; like real MPS control daemons it outlives agent restarts.
+
+use clap::Parser;
+use mpsr_simgpu::SimGpus;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "SIMULATED GPUs and MPS servers for CI and the demo (no real GPU)"
+)]
+struct Args {
+    /// Directory of the control socket (<DIR>/sim/control.sock); the daemon exits when it is removed.
+    #[arg(long)]
+    run_dir: PathBuf,
+    /// Number of simulated GPUs.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    gpus: u32,
+    /// FAULT -> ACTIVE delay after the last faulted client left (measured ~0.2 s on an H200).
+    #[arg(long, default_value_t = 200)]
+    recovery_ms: u64,
+    /// Model the driver patch: an Xid 31 with a known culprit kills only the culprit.
+    #[arg(long)]
+    isolation: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    let a = Args::parse();
+    eprintln!(
+        "mpsr-simgpu: {} SIMULATED GPUs under {} (pid {})",
+        a.gpus,
+        a.run_dir.display(),
+        std::process::id()
+    );
+    match Arc::new(SimGpus::new(a.gpus, &a.run_dir, a.isolation, a.recovery_ms)).serve() {
+        Ok(()) => 0.into(),
+        Err(e) => {
+            eprintln!("mpsr-simgpu: {e}");
+            1.into()
+        }
+    }
+}
