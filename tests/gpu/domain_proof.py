@@ -221,7 +221,7 @@ def main():
     # --- memory per domain, unprivileged owner, agent crash with three domains ------------------------
     case = "memory_owner_restart"
     say(f"=== case {case}")
-    time.sleep(3)
+    time.sleep(5)  # the start-up case's domains linger 2 s, then stop
     a = Task(job, "job", [probe, "victim", 40])
     b = Task(job + 1, "job", [probe, "victim", 40], uid=65534)
     c = subprocess.Popen([str(probe), "victim", 40], env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": shared_pipe,
