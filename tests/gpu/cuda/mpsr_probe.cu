@@ -2,8 +2,9 @@
 //   mpsr_probe victim SECONDS     small kernels in a loop; prints READY, then VICTIM_OK or VICTIM_ERROR
 //   mpsr_probe illegal|trap|misaligned|assert   one faulting kernel (Xid 31 / 43 / 13+43 / none)
 //   mpsr_probe load SECONDS       GPU-bound kernels; prints LOAD_RATE <kernels per second>
-//   mpsr_probe rate SECONDS BLOCKS START_UNIX   small kernels (BLOCKS x 256 threads, one sync each)
-//                                 from wall time START_UNIX on; prints RATE <kernels per second>
+//   mpsr_probe rate SECONDS BLOCKS START_UNIX [BURST]   small kernels (BLOCKS x 256 threads), a
+//                                 sync after every BURST (default 1) from wall time START_UNIX on;
+//                                 prints RATE <kernels per second>
 // Every line is flushed so the driver script sees it at once.
 #include <cassert>
 #include <chrono>
@@ -91,6 +92,8 @@ int main(int argc, char **argv) {
   if (!strcmp(mode, "rate")) {
     int blocks = argc > 3 ? atoi(argv[3]) : 66;
     double start = argc > 4 ? atof(argv[4]) : 0.0;
+    int burst = argc > 5 ? atoi(argv[5]) : 1;
+    if (burst < 1) burst = 1;
     int n = blocks * 256;
     float *a;
     if ((e = cudaMalloc(&a, n * sizeof(float))) != cudaSuccess) return report("RATE_ERROR", e);
@@ -107,9 +110,9 @@ int main(int argc, char **argv) {
     double t0 = now_s(), end = t0 + secs;
     long k = 0;
     while (now_s() < end) {
-      burn<<<blocks, 256>>>(a, n, 64);
+      for (int b = 0; b < burst; b++) burn<<<blocks, 256>>>(a, n, 64);
       if ((e = cudaDeviceSynchronize()) != cudaSuccess) return report("RATE_ERROR", e);
-      k++;
+      k += burst;
     }
     printf("RATE %.1f\n", k / (now_s() - t0));
     fflush(stdout);
