@@ -226,11 +226,15 @@ impl Agent {
             BlastRadius::None => Vec::new(),
         };
         for d in watched {
-            st.recovering.entry(d).or_insert(Recovering {
+            let r = st.recovering.entry(d).or_insert(Recovering {
                 fault_id: ev.id,
                 since: ev.first,
+                hit_jobs: BTreeSet::new(),
                 terminated: BTreeSet::new(),
+                killed: BTreeSet::new(),
+                blockers_reported: BTreeSet::new(),
             });
+            r.hit_jobs.extend(dec.hit.iter().copied());
         }
         if let Some((job, _)) = dec.culprit {
             let uid = owners.iter().find(|(j, _)| *j == job).map(|(_, u)| *u);

@@ -17,11 +17,19 @@ fn denied(msg: impl Into<String>) -> Response {
 pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
     let trusted = agent.is_trusted(peer.uid);
     match req {
-        Request::Hello { .. } => Response::Hello {
-            version: mpsr_proto::PROTOCOL_VERSION,
-            node: agent.node.clone(),
-            simulated: agent.backend.simulated(),
-        },
+        Request::Hello { version } => {
+            if version != mpsr_proto::PROTOCOL_VERSION {
+                // The client refuses to go on (it names both revisions to its user).
+                tracing::warn!(
+                    peer_uid = peer.uid,
+                    peer_pid = peer.pid,
+                    client = version,
+                    agent = mpsr_proto::PROTOCOL_VERSION,
+                    "client of another protocol revision"
+                );
+            }
+            hello(agent)
+        }
         Request::GpuContexts { gpus } => gpu_contexts(agent, &gpus),
         Request::Register(r) => register(agent, peer, trusted, r),
         Request::Deregister {
@@ -29,35 +37,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             step_id,
             pid,
             exit_status,
-        } => {
-            let mut st = agent.state();
-            let Some(t) = st.d.registry.get((job_id, step_id, pid)).cloned() else {
-                return Response::error(
-                    ErrorCode::NotFound,
-                    format!("task {job_id}.{step_id} pid {pid} is not registered"),
-                );
-            };
-            if !trusted && t.uid != peer.uid {
-                return denied(format!("job {job_id} belongs to another user"));
-            }
-            st.d.registry.remove((job_id, step_id, pid));
-            st.journal(crate::journal::Op::Remove {
-                job: job_id,
-                step: step_id,
-                pid,
-            });
-            if exit_status.is_some_and(|s| s != 0) {
-                let keep = agent.exit_memory();
-                st.note_exit(t.clone(), keep);
-            }
-            drop(st);
-            tracing::info!(job = job_id, step = %crate::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
-            agent.client_exit_signal(&t.gpus, exit_status);
-            // Not waited for: a deregistration lost in a crash is redone by the restart's
-            // reconciliation (the pid is gone by then).
-            agent.mark_journaled();
-            Response::Ok
-        }
+        } => deregister(agent, peer, trusted, (job_id, step_id, pid), exit_status),
         Request::JobStart {
             job_id,
             uid,
@@ -79,6 +59,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             }
             let prefix = format!("{job_id}.");
             st.d.resume.retain(|k, _| !k.starts_with(&prefix));
+            st.d.remember_owner(job_id, uid);
             if restart_count > 0 {
                 crate::state::push_outcome(
                     &mut st.d.outcomes,
@@ -98,18 +79,22 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 return denied("job end is reported by the epilog (root) only");
             }
             let mut st = agent.state();
-            let owner = st.d.registry.job_owner(job_id);
+            let owner = st.d.owner_of(job_id);
             st.d.registry.remove_job(job_id);
             let prefix = format!("{job_id}.");
             st.d.resume.retain(|k, _| !k.starts_with(&prefix));
             let rep = job_report(&st.history, &st.d.outcomes, job_id);
-            if let Some(uid) = owner.or_else(|| st.d.finished.get(&job_id).map(|f| f.0)) {
+            if let Some(uid) = owner {
                 crate::state::archive_report(&mut st.d, uid, rep.clone());
             }
+            // A requeued job may come back here: its kept GPU state waits for it a while. Its
+            // requeue may also still be queued (Slurm ends the job before the agent's call runs).
+            let requeued = st.d.requeued.remove(&job_id).is_some()
+                || st.d.pending.iter().any(|p| {
+                    matches!(p.op, crate::slurm::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
+                });
             drop(st);
             agent.mark_dirty();
-            // A requeued job may come back here: its kept GPU state waits for it a while.
-            let requeued = rep.actions.iter().any(|a| a.contains("requeued job"));
             let keep = if requeued {
                 agent.keepers.keep_after_requeue
             } else {
@@ -117,33 +102,29 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             };
             let keepers = agent.keepers.clone();
             std::thread::spawn(move || keepers.job_end(job_id, keep));
+            // The epilog hands this to the job's owner: only what the owner may see.
+            let mut rep = rep;
+            let own: std::collections::BTreeSet<u32> = match owner {
+                Some(uid) => agent.state().d.jobs_of(uid),
+                None => [job_id].into(),
+            };
+            rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
             Response::JobReport(rep)
         }
         Request::Status => status(agent, peer, trusted),
         Request::Events { limit } => {
             let st = agent.state();
-            let own =
-                st.d.registry
-                    .tasks()
-                    .filter(|t| t.uid == peer.uid)
-                    .map(|t| t.job_id)
-                    .collect::<std::collections::BTreeSet<_>>();
+            let own = st.d.jobs_of(peer.uid);
             let mut events: Vec<DecisionRecord> = st
                 .history
                 .iter()
                 .rev()
                 .filter_map(|r| {
                     if trusted {
-                        return Some(r.clone());
+                        Some(r.clone())
+                    } else {
+                        redact(r, &own)
                     }
-                    // Others' job ids are not shown to a user.
-                    let mut r = r.clone();
-                    r.hit_jobs.retain(|j| own.contains(j));
-                    r.spared_jobs.retain(|j| own.contains(j));
-                    (!r.hit_jobs.is_empty() || !r.spared_jobs.is_empty()).then(|| {
-                        r.actions.clear();
-                        r
-                    })
                 })
                 .take(limit.clamp(1, 10_000) as usize)
                 .collect();
@@ -159,17 +140,18 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
         }
         Request::JobReport { job_id } => {
             let st = agent.state();
-            let owner =
-                st.d.registry
-                    .job_owner(job_id)
-                    .or_else(|| st.d.finished.get(&job_id).map(|f| f.0));
-            if !trusted && owner != Some(peer.uid) {
+            if !trusted && st.d.owner_of(job_id) != Some(peer.uid) {
                 return denied(format!(
                     "job {job_id} is not a known job of uid {}",
                     peer.uid
                 ));
             }
-            Response::JobReport(job_report(&st.history, &st.d.outcomes, job_id))
+            let mut rep = job_report(&st.history, &st.d.outcomes, job_id);
+            if !trusted {
+                let own = st.d.jobs_of(peer.uid);
+                rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
+            }
+            Response::JobReport(rep)
         }
         Request::ResumeQuery {
             job_id,
@@ -291,6 +273,50 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             }
         }
     }
+}
+
+fn hello(agent: &Agent) -> Response {
+    Response::Hello {
+        version: mpsr_proto::PROTOCOL_VERSION,
+        node: agent.node.clone(),
+        simulated: agent.backend.simulated(),
+    }
+}
+
+fn deregister(
+    agent: &Agent,
+    peer: PeerCred,
+    trusted: bool,
+    (job_id, step_id, pid): crate::registry::TaskKey,
+    exit_status: Option<i32>,
+) -> Response {
+    let mut st = agent.state();
+    let Some(t) = st.d.registry.get((job_id, step_id, pid)).cloned() else {
+        return Response::error(
+            ErrorCode::NotFound,
+            format!("task {job_id}.{step_id} pid {pid} is not registered"),
+        );
+    };
+    if !trusted && t.uid != peer.uid {
+        return denied(format!("job {job_id} belongs to another user"));
+    }
+    st.d.registry.remove((job_id, step_id, pid));
+    st.journal(crate::journal::Op::Remove {
+        job: job_id,
+        step: step_id,
+        pid,
+    });
+    if exit_status.is_some_and(|s| s != 0) {
+        let keep = agent.exit_memory();
+        st.note_exit(t.clone(), keep);
+    }
+    drop(st);
+    tracing::info!(job = job_id, step = %crate::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
+    agent.client_exit_signal(&t.gpus, exit_status);
+    // Not waited for: a deregistration lost in a crash is redone by the restart's
+    // reconciliation (the pid is gone by then).
+    agent.mark_journaled();
+    Response::Ok
 }
 
 /// The shared domain's context of each GPU: what a task uses when it cannot register (agent down).
@@ -445,6 +471,9 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     }
     let gen = {
         let mut st = agent.state();
+        if trusted {
+            st.d.remember_owner(r.job_id, uid);
+        }
         match st.d.registry.register(task.clone()) {
             Ok(evicted) => {
                 for t in &evicted {
@@ -538,6 +567,26 @@ fn health(agent: &Agent) -> Response {
         healthy: reasons.is_empty(),
         reasons,
     })
+}
+
+/// A decision as a user may see it: only their own jobs, no actions or outcomes (they name other
+/// jobs), no pids; `None` when it concerns none of their jobs.
+fn redact(r: &DecisionRecord, own: &std::collections::BTreeSet<u32>) -> Option<DecisionRecord> {
+    let mut r = r.clone();
+    r.hit_jobs.retain(|j| own.contains(j));
+    r.spared_jobs.retain(|j| own.contains(j));
+    if r.hit_jobs.is_empty() && r.spared_jobs.is_empty() {
+        return None;
+    }
+    r.culprit_job = r.culprit_job.filter(|j| own.contains(j));
+    if r.culprit_job.is_none() {
+        r.culprit_evidence = None;
+    }
+    r.actions.clear();
+    r.outcome.clear();
+    r.reported_pid = None;
+    r.culprit = None;
+    Some(r)
 }
 
 fn job_report(

@@ -117,11 +117,16 @@ impl Keepers {
             .env("CUDA_MPS_LOG_DIRECTORY", &no_mps);
         // Its own session: the keeper outlives agent restarts.
         crate::spawn::prepare(&mut c, true);
-        c.stdin(Stdio::null())
+        let mut child = c
+            .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log)
             .spawn()
             .map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
+        // Reaped when it exits (after a GPU reset's restart, say): no zombie keepers.
+        let _ = std::thread::Builder::new()
+            .name(format!("keeper{gpu}-reaper"))
+            .spawn(move || child.wait());
         let end = Instant::now() + Duration::from_secs(20);
         while Instant::now() < end {
             if self.ping(gpu).is_some() {
@@ -149,7 +154,17 @@ impl Keepers {
         if let Some(pid) = self.ping(gpu) {
             // SAFETY: kill(2) on the pid our keeper reported for itself.
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_millis(200));
+            // The new keeper binds the same socket: wait until the old one is gone.
+            let end = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < end && self.ping(gpu) == Some(pid) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if self.ping(gpu) == Some(pid) {
+                tracing::warn!(gpu, pid, "state keeper ignored SIGTERM for 5 s; SIGKILL");
+                // SAFETY: as above.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
         if let Err(e) = self.ensure(gpu) {
             tracing::warn!(gpu, error = %e, "state keeper restart failed");

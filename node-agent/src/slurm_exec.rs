@@ -61,6 +61,9 @@ impl Agent {
             };
             if let Some(msg) = finished {
                 let ok = matches!(outcome, Outcome::Done(_));
+                if let (true, Some(j)) = (ok, job) {
+                    st.d.note_requeued(j, next.fault_id);
+                }
                 if ok {
                     tracing::info!(key = %next.key, "{msg}");
                 } else {

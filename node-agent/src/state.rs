@@ -54,13 +54,78 @@ pub struct Durable {
     /// The last registry journal entry this state file includes.
     #[serde(default)]
     pub journal_seq: u64,
+    /// Owner uid of each job seen here (prolog, or slurmstepd's registration): a job's report and
+    /// events stay readable to its owner after its tasks are gone.
+    #[serde(default)]
+    pub owners: BTreeMap<u32, u32>,
+    /// Jobs whose requeue Slurm carried out (or had already done), with the fault: at job end their
+    /// kept GPU state waits for the next run.
+    #[serde(default)]
+    pub requeued: BTreeMap<u32, u64>,
+}
+
+impl Durable {
+    /// The owner of a job: from its live tasks, else from what the prolog or a registration said.
+    pub fn owner_of(&self, job: u32) -> Option<u32> {
+        self.registry
+            .job_owner(job)
+            .or_else(|| self.owners.get(&job).copied())
+            .or_else(|| self.finished.get(&job).map(|f| f.0))
+    }
+
+    pub fn remember_owner(&mut self, job: u32, uid: u32) {
+        self.owners.insert(job, uid);
+        bound(&mut self.owners);
+    }
+
+    pub fn note_requeued(&mut self, job: u32, fault_id: u64) {
+        self.requeued.insert(job, fault_id);
+        bound(&mut self.requeued);
+    }
+
+    /// Jobs of `uid` known here (live, or ended with their report kept).
+    pub fn jobs_of(&self, uid: u32) -> std::collections::BTreeSet<u32> {
+        self.registry
+            .tasks()
+            .filter(|t| t.uid == uid)
+            .map(|t| t.job_id)
+            .chain(
+                self.owners
+                    .iter()
+                    .filter(|(_, u)| **u == uid)
+                    .map(|(j, _)| *j),
+            )
+            .chain(
+                self.finished
+                    .iter()
+                    .filter(|(_, f)| f.0 == uid)
+                    .map(|(j, _)| *j),
+            )
+            .collect()
+    }
+}
+
+/// Keeps a per-job map as bounded as the outcome lines (oldest job ids go first).
+fn bound<V>(m: &mut BTreeMap<u32, V>) {
+    while m.len() > OUTCOME_JOBS_KEPT {
+        let Some(first) = m.keys().next().copied() else {
+            break;
+        };
+        m.remove(&first);
+    }
 }
 
 /// A domain whose server is expected to be in FAULT after a decision.
 pub struct Recovering {
     pub fault_id: u64,
     pub since: Instant,
+    /// The jobs the fault hit: their clients may be ended to let the server recover.
+    pub hit_jobs: BTreeSet<u32>,
     pub terminated: BTreeSet<u32>,
+    /// Clients ended with SIGKILL (terminate_client does not reach an idle client).
+    pub killed: BTreeSet<u32>,
+    /// Clients of no hit job that still hold the server in FAULT (reported once).
+    pub blockers_reported: BTreeSet<u32>,
 }
 
 pub struct State {

@@ -64,7 +64,9 @@ impl Env {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if matches!(
-                self.call(&Request::Hello { version: 1 }),
+                self.call(&Request::Hello {
+                    version: mpsr_proto::PROTOCOL_VERSION,
+                }),
                 Ok(Response::Hello { .. })
             ) {
                 return;
@@ -535,7 +537,10 @@ fn bad_input_is_refused_and_the_agent_keeps_serving() {
         Response::Error { .. }
     ));
     assert!(matches!(
-        e.call(&Request::Hello { version: 1 }).unwrap(),
+        e.call(&Request::Hello {
+            version: mpsr_proto::PROTOCOL_VERSION,
+        })
+        .unwrap(),
         Response::Hello {
             simulated: true,
             ..
@@ -1051,5 +1056,165 @@ fn isolation_outside_the_allowed_list_is_refused() {
             assert!(message.contains("not allowed"), "{message}");
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// An idle client (no CUDA call in flight) is not reached by terminate_client and holds its
+/// server in FAULT (measured on an H200). After twice the grace the agent ends a hit job's client;
+/// a client of no hit job is reported as the blocker, not killed.
+#[test]
+fn an_idle_hit_client_is_ended_so_its_server_recovers() {
+    use std::os::unix::process::ExitStatusExt;
+    let e = Env::new("");
+    let mut idle = e.client(0, 60.0, true);
+    e.register(81, idle.id(), &[0], Mode::Requeue, true);
+    let mut stranger = e.client(0, 60.0, true);
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+        slot: None,
+    })
+    .unwrap();
+    e.wait_for("the blocker reported", |e| {
+        e.events().first().is_some_and(|f| {
+            f.outcome
+                .iter()
+                .any(|o| o.contains(&format!("client {} is no registered task", stranger.id())))
+        })
+    });
+    let st = idle.wait().unwrap();
+    assert_eq!(
+        st.signal(),
+        Some(libc::SIGKILL),
+        "the hit job's idle client was ended"
+    );
+    assert!(
+        exit_code(&mut stranger, Duration::from_millis(100)).is_none(),
+        "a client of no hit job is never killed"
+    );
+    let f = &e.events()[0];
+    assert!(
+        f.outcome.iter().any(|o| o.contains("ended with SIGKILL")),
+        "{f}"
+    );
+    assert!(!f.outcome.iter().any(|o| o.contains("ACTIVE again")), "{f}");
+    let _ = stranger.kill();
+    e.wait_for("server ACTIVE once the blocker is gone", |e| {
+        e.events()[0]
+            .outcome
+            .iter()
+            .any(|o| o.contains("ACTIVE again"))
+    });
+}
+
+/// The owner of a finished job reads its report and events; what they show names no other job.
+#[test]
+fn the_owner_reads_a_finished_jobs_report_naming_no_other_job() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root to run a second uid");
+        return;
+    }
+    let e = Env::new("");
+    let r = e
+        .call(&Request::JobStart {
+            job_id: 91,
+            uid: 65534,
+            restart_count: 0,
+        })
+        .unwrap();
+    assert_eq!(r, Response::Ok);
+    let mut mine = Command::new("sleep")
+        .arg("30")
+        .uid(65534)
+        .gid(65534)
+        .spawn()
+        .unwrap();
+    let mut r91 = reg(91, mine.id(), &[0], Mode::Requeue, true);
+    r91.uid = Some(65534);
+    assert!(matches!(
+        e.call(&Request::Register(r91)).unwrap(),
+        Response::Registered { .. }
+    ));
+    let other = e.client(0, 30.0, false);
+    let mut r92 = reg(92, other.id(), &[0], Mode::Requeue, true);
+    r92.uid = Some(1000);
+    assert!(matches!(
+        e.call(&Request::Register(r92)).unwrap(),
+        Response::Registered { .. }
+    ));
+    e.call(&Request::SimInject {
+        gpu: 0,
+        xid: 43,
+        culprit: None,
+        slot: None,
+    })
+    .unwrap();
+    e.wait_for("both requeued", |e| {
+        let l = e.scontrol_log();
+        l.contains("requeue 91") && l.contains("requeue 92")
+    });
+    let _ = mine.kill();
+    let _ = mine.wait();
+    e.call(&Request::Deregister {
+        job_id: 91,
+        step_id: mpsr_proto::BATCH_STEP,
+        pid: mine.id(),
+        exit_status: Some(9),
+    })
+    .unwrap();
+    // What the epilog gets (and writes into the owner's report file) names no other job.
+    let Response::JobReport(rep) = e.call(&Request::JobEnd { job_id: 91 }).unwrap() else {
+        panic!()
+    };
+    assert_eq!(rep.faults.len(), 1, "{rep:?}");
+    names_only_job_91(&serde_json::to_value(&rep.faults).unwrap());
+    let ctl = env!("CARGO_BIN_EXE_mpsrctl");
+    let as_nobody = |args: &[&str]| {
+        Command::new(ctl)
+            .arg("--socket")
+            .arg(e.sock())
+            .arg("--json")
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    };
+    let out = as_nobody(&["report", "91"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    names_only_job_91(&v["faults"]);
+    let out = as_nobody(&["events"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["events"].as_array().map(|a| a.len()), Some(1), "{v}");
+    names_only_job_91(&v["events"]);
+    // Another user sees neither.
+    let out = Command::new(ctl)
+        .arg("--socket")
+        .arg(e.sock())
+        .args(["report", "91"])
+        .uid(1)
+        .gid(1)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+}
+
+/// Decision records as a user may see them: job 91 alone, no actions, outcomes or pids.
+fn names_only_job_91(records: &serde_json::Value) {
+    let records = records.as_array().expect("a list of decisions");
+    assert!(!records.is_empty());
+    for r in records {
+        assert_eq!(r["hit_jobs"], serde_json::json!([91]), "{r}");
+        assert_eq!(r["spared_jobs"], serde_json::json!([]), "{r}");
+        assert_eq!(r["actions"], serde_json::json!([]), "{r}");
+        assert_eq!(r["outcome"], serde_json::json!([]), "{r}");
+        assert!(r["reported_pid"].is_null() && r["culprit"].is_null(), "{r}");
     }
 }

@@ -14,6 +14,8 @@ pub enum ClientError {
     Unavailable(PathBuf, io::Error),
     /// Connected, but the agent did not answer in time or the frame was bad.
     Protocol(FrameError),
+    /// The agent speaks another protocol revision (a rolling upgrade half done).
+    Version { client: u32, agent: u32 },
 }
 
 impl std::fmt::Display for ClientError {
@@ -31,6 +33,10 @@ impl std::fmt::Display for ClientError {
                 f.write_str("node agent did not answer in time")
             }
             ClientError::Protocol(e) => write!(f, "node agent protocol error: {e}"),
+            ClientError::Version { client, agent } => write!(
+                f,
+                "node agent speaks protocol {agent}, this client {client}: upgrade the agent and the plugin/mpsrctl together"
+            ),
         }
     }
 }
@@ -50,13 +56,30 @@ impl Client {
         }
     }
 
-    /// One request, one response, all within `timeout` per step.
+    /// One request, one response, all within `timeout` per step. The connection starts with
+    /// `Hello`: a request is sent only to an agent of the same protocol revision.
     pub fn call(&self, req: &Request) -> Result<Response, ClientError> {
         let mut s = connect_timeout(&self.path, self.timeout)
             .map_err(|e| ClientError::Unavailable(self.path.clone(), e))?;
         s.set_read_timeout(Some(self.timeout))
             .and_then(|_| s.set_write_timeout(Some(self.timeout)))
             .map_err(|e| ClientError::Unavailable(self.path.clone(), e))?;
+        if !matches!(req, Request::Hello { .. }) {
+            let hello = Request::Hello {
+                version: crate::PROTOCOL_VERSION,
+            };
+            write_frame(&mut s, &hello).map_err(ClientError::Protocol)?;
+            match read_frame(&mut s).map_err(ClientError::Protocol)? {
+                Response::Hello { version, .. } if version == crate::PROTOCOL_VERSION => {}
+                Response::Hello { version, .. } => {
+                    return Err(ClientError::Version {
+                        client: crate::PROTOCOL_VERSION,
+                        agent: version,
+                    })
+                }
+                other => return Ok(other),
+            }
+        }
         write_frame(&mut s, req).map_err(ClientError::Protocol)?;
         read_frame(&mut s).map_err(ClientError::Protocol)
     }
@@ -149,7 +172,11 @@ mod tests {
     fn missing_socket_is_unavailable_quickly() {
         let c = Client::new("/nonexistent/mpsr.sock", Duration::from_millis(200));
         let t = std::time::Instant::now();
-        let e = c.call(&Request::Hello { version: 1 }).unwrap_err();
+        let e = c
+            .call(&Request::Hello {
+                version: crate::PROTOCOL_VERSION,
+            })
+            .unwrap_err();
         assert!(matches!(e, ClientError::Unavailable(..)));
         assert!(t.elapsed() < Duration::from_secs(2));
     }
@@ -162,8 +189,93 @@ mod tests {
         let _ = std::fs::remove_file(&p);
         let _l = std::os::unix::net::UnixListener::bind(&p).unwrap(); // never accepts or answers
         let c = Client::new(&p, Duration::from_millis(200));
-        let e = c.call(&Request::Hello { version: 1 }).unwrap_err();
+        let e = c
+            .call(&Request::Hello {
+                version: crate::PROTOCOL_VERSION,
+            })
+            .unwrap_err();
         assert!(e.to_string().contains("did not answer in time"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::*;
+
+    /// An agent that answers Hello with `version` and echoes `Ok` to anything else.
+    fn fake_agent(version: u32) -> (tempfile_dir::Dir, PathBuf) {
+        let dir = tempfile_dir::Dir::new();
+        let path = dir.0.join("a.sock");
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let mut c = c.unwrap();
+                while let Ok(req) = read_frame::<Request>(&mut c) {
+                    let resp = match req {
+                        Request::Hello { .. } => Response::Hello {
+                            version,
+                            node: "n".into(),
+                            simulated: true,
+                        },
+                        _ => Response::Ok,
+                    };
+                    if write_frame(&mut c, &resp).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        (dir, path)
+    }
+
+    mod tempfile_dir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Dir {
+                let p = std::env::temp_dir().join(format!(
+                    "mpsr-proto-test-{}-{:?}",
+                    std::process::id(),
+                    std::thread::current().id()
+                ));
+                let _ = std::fs::remove_dir_all(&p);
+                std::fs::create_dir_all(&p).unwrap();
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn another_protocol_revision_is_refused_naming_both() {
+        let (_d, path) = fake_agent(crate::PROTOCOL_VERSION + 1);
+        let c = Client::new(&path, Duration::from_secs(2));
+        let e = c.call(&Request::Status).unwrap_err();
+        assert!(
+            matches!(e, ClientError::Version { client, agent } if client == crate::PROTOCOL_VERSION && agent == client + 1),
+            "{e:?}"
+        );
+        assert!(e
+            .to_string()
+            .contains(&format!("protocol {}", crate::PROTOCOL_VERSION + 1)));
+        // Hello itself always goes through (it is how versions are learnt).
+        assert!(matches!(
+            c.call(&Request::Hello {
+                version: crate::PROTOCOL_VERSION,
+            })
+            .unwrap(),
+            Response::Hello { .. }
+        ));
+    }
+
+    #[test]
+    fn the_same_revision_gets_its_answer() {
+        let (_d, path) = fake_agent(crate::PROTOCOL_VERSION);
+        let c = Client::new(&path, Duration::from_secs(2));
+        assert_eq!(c.call(&Request::Status).unwrap(), Response::Ok);
     }
 }

@@ -28,9 +28,11 @@ fn call(cfg: &PlugConfig, req: &Request) -> Result<Response, AgentError> {
     match c.call(req) {
         Ok(Response::Error { code, message }) => Err(AgentError::Refused { code, message }),
         Ok(r) => Ok(r),
-        Err(e @ ClientError::Unavailable(..)) | Err(e @ ClientError::Protocol(_)) => {
-            Err(AgentError::Unreachable(e.to_string()))
-        }
+        Err(
+            e @ (ClientError::Unavailable(..)
+            | ClientError::Protocol(_)
+            | ClientError::Version { .. }),
+        ) => Err(AgentError::Unreachable(e.to_string())),
     }
 }
 

@@ -423,6 +423,8 @@ timeout_ms = 5000
 fault_grace_ms = 1000
 [faults]
 kmsg = false
+[keeper]
+snapshot_dir = \"{t}/{node}/snapshots\"
 [sim]
 gpus = {}
 ",

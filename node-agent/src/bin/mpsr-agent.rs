@@ -30,7 +30,11 @@ fn main() -> std::process::ExitCode {
     };
     if args.self_check {
         let mut ok = true;
-        for (what, r) in mpsr_agent::backend::nvml::self_check(&cfg) {
+        let checks = match cfg.backend {
+            mpsr_agent::config::Backend::Nvml => mpsr_agent::backend::nvml::self_check(&cfg),
+            mpsr_agent::config::Backend::Sim => sim_self_check(),
+        };
+        for (what, r) in checks {
             match r {
                 Ok(m) => println!("ok    {what}: {m}"),
                 Err(m) => {
@@ -50,6 +54,30 @@ fn main() -> std::process::ExitCode {
             1.into()
         }
     }
+}
+
+/// backend = "sim": there are no GPUs to check, only the simulator's binaries.
+fn sim_self_check() -> Vec<(String, Result<String, String>)> {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut out = vec![(
+        "backend".to_string(),
+        Ok("sim: SIMULATED GPUs (no NVML, MPS or kernel log checked)".to_string()),
+    )];
+    for bin in ["mpsr-simgpu", "mpsr-simclient"] {
+        let p = exe.with_file_name(bin);
+        out.push((
+            bin.to_string(),
+            if p.is_file() {
+                Ok(p.display().to_string())
+            } else {
+                Err(format!(
+                    "{} not found (cargo build -p mpsr-simgpu)",
+                    p.display()
+                ))
+            },
+        ));
+    }
+    out
 }
 
 fn node_name(cfg: &Config) -> String {

@@ -87,6 +87,7 @@ enum Cmd {
         restart_count: u32,
     },
     /// A job ended on this node: print its fault report (the epilog calls this; root only).
+    /// Exit status 0: the job was hit by no fault; 4: it was hit (the report says by what).
     JobEnd { job_id: u32 },
     /// Simulated GPUs only.
     Sim {
@@ -115,6 +116,9 @@ enum SimCmd {
         gpu: u32,
     },
 }
+
+/// `job-end`'s exit status for a job that was hit by a fault.
+const HIT_EXIT: u8 = 4;
 
 fn main() -> std::process::ExitCode {
     let a = Args::parse();
@@ -208,6 +212,9 @@ fn main() -> std::process::ExitCode {
     match resp {
         Response::Error { .. } => 1.into(),
         Response::Health(h) if !h.healthy => 1.into(),
+        Response::JobReport(r) if matches!(a.cmd, Cmd::JobEnd { .. }) && !r.faults.is_empty() => {
+            HIT_EXIT.into()
+        }
         _ => 0.into(),
     }
 }
