@@ -5,7 +5,7 @@ use crate::memory::{Device, MemError};
 use crate::snapshot::Snapshots;
 use crate::store::{Store, StoreError};
 use mpsr_proto::keeper::{valid_name, KeeperRequest, KeeperResponse};
-use mpsr_proto::{fdpass, peer_cred, Client, ErrorCode, PeerCred, Request, Response};
+use mpsr_proto::{fdpass, Client, ErrorCode, PeerCred, Request, Response};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -289,19 +289,20 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     mpsr_proto::bind_world_socket(path, "keeper")
 }
 
+/// Connections open at once: a local user cannot exhaust the keeper's threads.
+const MAX_CONNECTIONS: usize = 256;
+
 pub fn serve(k: Arc<Keeper>, l: UnixListener) {
-    for s in l.incoming().flatten() {
-        let k = k.clone();
-        let _ = std::thread::Builder::new()
-            .name("keeper-conn".into())
-            .spawn(move || handle_conn(&k, s));
-    }
+    let limits = mpsr_proto::serve::Limits {
+        max_connections: MAX_CONNECTIONS,
+        io_timeout: Duration::from_secs(30),
+    };
+    mpsr_proto::serve::serve_connections(l, "keeper", limits, move |peer, s| {
+        handle_conn(&k, peer, s)
+    });
 }
 
-fn handle_conn(k: &Keeper, mut s: UnixStream) {
-    let Ok(peer) = peer_cred(&s) else { return };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
-    let _ = s.set_write_timeout(Some(Duration::from_secs(30)));
+fn handle_conn(k: &Keeper, peer: PeerCred, mut s: UnixStream) {
     loop {
         let body = match mpsr_proto::frame::read_body(&mut s) {
             Ok(b) => b,

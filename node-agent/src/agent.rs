@@ -97,8 +97,7 @@ impl Agent {
                 pid = t.pid,
                 "task exited while the agent was down; deregistered"
             );
-            d.resume
-                .remove(&format!("{}.{}.{}", t.job_id, t.step_id, t.pid));
+            d.resume.remove((t.job_id, t.step_id, t.pid));
         }
         if !d.registry.is_empty() || !d.pending.is_empty() {
             tracing::info!(

@@ -385,7 +385,7 @@ fn hand_to_resume_board(
     line: String,
 ) {
     d.resume.insert(
-        format!("{job_id}.{step_id}.{pid}"),
+        (job_id, step_id, pid),
         ResumeEntry {
             fault_id: ev.id,
             gpu: ev.gpu,

@@ -57,8 +57,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             for k in &stale {
                 st.d.registry.remove(*k);
             }
-            let prefix = format!("{job_id}.");
-            st.d.resume.retain(|k, _| !k.starts_with(&prefix));
+            st.d.resume.remove_job(job_id);
             st.d.remember_owner(job_id, uid);
             if restart_count > 0 {
                 crate::state::push_outcome(
@@ -81,8 +80,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let mut st = agent.state();
             let owner = st.d.owner_of(job_id);
             st.d.registry.remove_job(job_id);
-            let prefix = format!("{job_id}.");
-            st.d.resume.retain(|k, _| !k.starts_with(&prefix));
+            st.d.resume.remove_job(job_id);
             let rep = job_report(&st.history, &st.d.outcomes, job_id);
             if let Some(uid) = owner {
                 crate::state::archive_report(&mut st.d, uid, rep.clone());
@@ -189,8 +187,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                     peer.uid
                 ));
             }
-            let key = format!("{}.{}.{}", t.job_id, t.step_id, t.pid);
-            let (verdict, reason) = agent.resume_verdict(&key);
+            let (verdict, reason) = agent.resume_verdict((t.job_id, t.step_id, t.pid));
             Response::Resume { verdict, reason }
         }
         Request::Health => health(agent),

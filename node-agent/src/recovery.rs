@@ -168,7 +168,7 @@ impl Agent {
         }
     }
 
-    pub fn resume_verdict(&self, key: &str) -> (ResumeVerdict, String) {
+    pub fn resume_verdict(&self, key: crate::registry::TaskKey) -> (ResumeVerdict, String) {
         let entry = self.state().d.resume.get(key).cloned();
         let Some(e) = entry else {
             return (ResumeVerdict::NotHit, "no fault known for this task".into());

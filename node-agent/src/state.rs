@@ -32,6 +32,57 @@ impl ResumeEntry {
         }
     }
 }
+/// The resume board: a hit task's verdict, by task. On disk a list of `[job, step, pid, entry]`;
+/// the map `"job.step.pid" -> entry` of older state files is read too.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResumeBoard(BTreeMap<crate::registry::TaskKey, ResumeEntry>);
+
+impl ResumeBoard {
+    pub fn get(&self, k: crate::registry::TaskKey) -> Option<&ResumeEntry> {
+        self.0.get(&k)
+    }
+    pub fn insert(&mut self, k: crate::registry::TaskKey, e: ResumeEntry) {
+        self.0.insert(k, e);
+    }
+    pub fn remove(&mut self, k: crate::registry::TaskKey) -> Option<ResumeEntry> {
+        self.0.remove(&k)
+    }
+    /// Forgets every task of a job (its next run starts clean).
+    pub fn remove_job(&mut self, job: u32) {
+        self.0.retain(|(j, _, _), _| *j != job);
+    }
+}
+
+impl Serialize for ResumeBoard {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|((j, st, p), e)| (j, st, p, e)))
+    }
+}
+
+impl<'de> Deserialize<'de> for ResumeBoard {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OnDisk {
+            List(Vec<(u32, u32, u32, ResumeEntry)>),
+            Keyed(BTreeMap<String, ResumeEntry>),
+        }
+        Ok(ResumeBoard(match OnDisk::deserialize(d)? {
+            OnDisk::List(l) => l.into_iter().map(|(j, s, p, e)| ((j, s, p), e)).collect(),
+            OnDisk::Keyed(m) => m
+                .into_iter()
+                .filter_map(|(k, e)| {
+                    let mut it = k.split('.').map(|x| x.parse::<u32>().ok());
+                    match (it.next(), it.next(), it.next(), it.next()) {
+                        (Some(Some(j)), Some(Some(s)), Some(Some(p)), None) => Some(((j, s, p), e)),
+                        _ => None,
+                    }
+                })
+                .collect(),
+        }))
+    }
+}
+
 /// Everything that must survive an agent restart.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Durable {
@@ -44,8 +95,8 @@ pub struct Durable {
     pub done_keys: VecDeque<String>,
     /// job -> outcome lines (requeue done, resume handed over, ...).
     pub outcomes: BTreeMap<u32, Vec<String>>,
-    /// `job.step.pid` -> resume entry.
-    pub resume: BTreeMap<String, ResumeEntry>,
+    /// Hit task -> what its resume supervisor is told.
+    pub resume: ResumeBoard,
     /// gpu -> why it is unhealthy (hardware fault class).
     pub unhealthy: BTreeMap<u32, (FaultClass, String)>,
     /// Reports of jobs that ended here, with their owner uid, for `mpsrctl report` afterwards.
@@ -178,5 +229,30 @@ pub fn push_outcome(outcomes: &mut BTreeMap<u32, Vec<String>>, job: u32, line: S
             break;
         };
         outcomes.remove(&first);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_board_roundtrips_and_reads_the_older_keyed_form() {
+        let e = ResumeEntry {
+            fault_id: 3,
+            gpu: 0,
+            slot: 1,
+            fail: None,
+        };
+        let mut b = ResumeBoard::default();
+        b.insert((7, 0, 42), e.clone());
+        b.insert((8, 0, 43), e.clone());
+        let json = serde_json::to_string(&b).unwrap();
+        assert_eq!(serde_json::from_str::<ResumeBoard>(&json).unwrap(), b);
+        let old = r#"{"7.0.42":{"fault_id":3,"gpu":0,"slot":1,"fail":null},"bad.key":{"fault_id":1,"gpu":0,"fail":null}}"#;
+        let b2: ResumeBoard = serde_json::from_str(old).unwrap();
+        assert_eq!(b2.get((7, 0, 42)), Some(&e));
+        b.remove_job(7);
+        assert!(b.get((7, 0, 42)).is_none() && b.get((8, 0, 43)).is_some());
     }
 }

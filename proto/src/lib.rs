@@ -11,6 +11,7 @@ pub mod fdpass;
 pub mod frame;
 pub mod keeper;
 mod peer;
+pub mod serve;
 pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
