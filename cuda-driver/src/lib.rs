@@ -79,6 +79,18 @@ impl std::fmt::Display for CudaError {
 
 impl std::error::Error for CudaError {}
 
+impl CudaError {
+    /// CUresult codes after which the context is unusable ("sticky" errors: every later call in
+    /// the process fails the same way): illegal address, ECC uncorrectable, launch failure,
+    /// hardware stack error, illegal instruction, misaligned address, invalid address space,
+    /// invalid PC, device unavailable, unknown.
+    const CONTEXT_LOST: [c_int; 10] = [700, 214, 719, 714, 715, 716, 717, 718, 46, 999];
+
+    pub fn context_lost(&self) -> bool {
+        matches!(self, CudaError::Call(_, code, _) if Self::CONTEXT_LOST.contains(code))
+    }
+}
+
 macro_rules! api {
     ($($field:ident: $sym:literal => fn($($arg:ty),*);)*) => {
         /// Function pointers resolved from libcuda.so.1.
@@ -391,6 +403,16 @@ impl Drop for Mapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sticky_errors_are_told_apart_by_code_not_text() {
+        assert!(
+            CudaError::Call("cuMemcpy", 700, "CUDA_ERROR_ILLEGAL_ADDRESS".into()).context_lost()
+        );
+        // The code decides, whatever the name says.
+        assert!(!CudaError::Call("cuMemAlloc", 2, "ILLEGAL_ADDRESS?".into()).context_lost());
+        assert!(!CudaError::NoDriver("no libcuda".into()).context_lost());
+    }
 
     #[test]
     fn without_a_driver_every_call_is_a_clean_error() {

@@ -5,24 +5,18 @@ use mpsr_proto::keeper::MemKind;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-#[derive(Debug)]
-pub struct MemError(pub String);
-
-impl std::fmt::Display for MemError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+#[derive(Debug, thiserror::Error)]
+pub enum MemError {
+    #[error(transparent)]
+    Cuda(#[from] mpsr_cuda::CudaError),
+    #[error(transparent)]
+    Io(#[from] io::Error),
 }
 
-impl From<mpsr_cuda::CudaError> for MemError {
-    fn from(e: mpsr_cuda::CudaError) -> Self {
-        MemError(e.to_string())
-    }
-}
-
-impl From<io::Error> for MemError {
-    fn from(e: io::Error) -> Self {
-        MemError(e.to_string())
+impl MemError {
+    /// After this error the keeper's CUDA context is unusable (a sticky error).
+    pub fn context_lost(&self) -> bool {
+        matches!(self, MemError::Cuda(e) if e.context_lost())
     }
 }
 

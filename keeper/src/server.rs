@@ -27,28 +27,15 @@ fn err(code: ErrorCode, message: impl Into<String>) -> KeeperResponse {
     }
 }
 
-/// CUDA errors after which this process's context is unusable: exit so the agent starts a fresh
-/// keeper (the memory is gone anyway; snapshots bring it back).
-fn fatal(e: &MemError) -> bool {
-    [
-        "ILLEGAL_ADDRESS",
-        "ECC_UNCORRECTABLE",
-        "LAUNCH_FAILED",
-        "HARDWARE_STACK_ERROR",
-        "DEVICE_UNAVAILABLE",
-        "UNKNOWN",
-    ]
-    .iter()
-    .any(|k| e.0.contains(k))
-}
-
 impl Keeper {
     pub fn store(&self) -> MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn check_fatal(&self, e: &MemError) {
-        if fatal(e) {
+        // The memory is gone with the context: exit so the agent starts a fresh keeper
+        // (snapshots bring the state back).
+        if e.context_lost() {
             eprintln!("mpsr-keeper gpu{}: unrecoverable GPU error ({e}); exiting so a fresh keeper starts", self.gpu);
             std::process::exit(3);
         }
