@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 bash scripts/install-deps.sh
+# Style and lints first: a formatting slip or a new warning fails here, before the long tests.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -q -- -D warnings
 cargo build --workspace --locked
 # The plugin's Slurm >= 23.11 code path (automatic resume supervisor) must keep compiling although
 # this host's Slurm is older: type-check it against the installed header plus the 23.11 addition.

@@ -117,9 +117,10 @@ macro_rules! api {
                 }
             };
             Ok(Api {
-                // SAFETY (each): the symbol is the driver entry point with the C signature
-                // declared here (cuda.h), so transmuting the data pointer to it is sound.
+                // SAFETY: each symbol is the driver entry point with the C signature declared
+                // here (cuda.h), so transmuting the data pointer to it is sound.
                 $($field: unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> CuResult>(sym($sym)?) },)*
+                // SAFETY: as above; cuGetErrorName(CUresult, const char **).
                 get_error_name: unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult>(sym(c"cuGetErrorName")?) },
             })
         }

@@ -106,10 +106,8 @@ impl Spank {
         let mut v: u32 = 0;
         // SAFETY: for the u32-valued items used here, spank_get_item writes one uint32_t (or uid_t,
         // also 32-bit) through the pointer; v outlives the call.
-        check(
-            unsafe { ffi::spank_get_item(self.0, item, &mut v as *mut u32) },
-            what,
-        )?;
+        let rc = unsafe { ffi::spank_get_item(self.0, item, &mut v as *mut u32) };
+        check(rc, what)?;
         Ok(v)
     }
 
@@ -117,10 +115,8 @@ impl Spank {
         let mut v: c_int = 0;
         // SAFETY: S_TASK_ID / S_TASK_EXIT_STATUS / S_TASK_PID write one int (pid_t is int) through
         // the pointer; v outlives the call.
-        check(
-            unsafe { ffi::spank_get_item(self.0, item, &mut v as *mut c_int) },
-            what,
-        )?;
+        let rc = unsafe { ffi::spank_get_item(self.0, item, &mut v as *mut c_int) };
+        check(rc, what)?;
         Ok(v)
     }
 
@@ -154,12 +150,10 @@ impl Spank {
         let mut argc: c_int = 0;
         let mut argv: *mut *mut c_char = std::ptr::null_mut();
         // SAFETY: S_JOB_ARGV writes an int and a char** that Slurm owns; both copied at once.
-        check(
-            unsafe {
-                ffi::spank_get_item(self.0, ffi::S_JOB_ARGV, &mut argc as *mut c_int, &mut argv)
-            },
-            "job argv",
-        )?;
+        let rc = unsafe {
+            ffi::spank_get_item(self.0, ffi::S_JOB_ARGV, &mut argc as *mut c_int, &mut argv)
+        };
+        check(rc, "job argv")?;
         // SAFETY: argv has argc valid C strings (owned by Slurm for this callback).
         Ok(unsafe { args(argc, argv) })
     }

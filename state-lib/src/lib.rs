@@ -436,15 +436,12 @@ mod tests {
             .into_owned();
         assert!(msg.contains("unavailable"), "{msg}");
         // SAFETY: NULL arguments are refused, not dereferenced.
-        assert_eq!(
-            unsafe { mpsr_state_attach(std::ptr::null(), 1, &mut p, std::ptr::null_mut()) },
-            MPSR_EINVAL
-        );
-        assert_eq!(
-            unsafe {
-                mpsr_state_attach(c"w".as_ptr(), 1, std::ptr::null_mut(), std::ptr::null_mut())
-            },
-            MPSR_EINVAL
-        );
+        let rc = unsafe { mpsr_state_attach(std::ptr::null(), 1, &mut p, std::ptr::null_mut()) };
+        assert_eq!(rc, MPSR_EINVAL);
+        // SAFETY: as above.
+        let rc = unsafe {
+            mpsr_state_attach(c"w".as_ptr(), 1, std::ptr::null_mut(), std::ptr::null_mut())
+        };
+        assert_eq!(rc, MPSR_EINVAL);
     }
 }
