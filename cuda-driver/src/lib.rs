@@ -405,6 +405,22 @@ impl Drop for Mapping {
 mod tests {
     use super::*;
 
+    /// Says why a test did not run and records it for the test command's summary: a skip is not a pass.
+    fn skip(why: &str) {
+        eprintln!("SKIPPED: {why}");
+        if let Ok(p) = std::env::var("MPSR_SKIP_LOG") {
+            use std::io::Write;
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+            {
+                let name = std::thread::current().name().unwrap_or("?").to_string();
+                let _ = writeln!(f, "{name}: {why}");
+            }
+        }
+    }
+
     #[test]
     fn sticky_errors_are_told_apart_by_code_not_text() {
         assert!(
@@ -418,7 +434,7 @@ mod tests {
     #[test]
     fn without_a_driver_every_call_is_a_clean_error() {
         if std::path::Path::new("/dev/nvidiactl").exists() {
-            eprintln!("SKIPPED: a GPU driver is present; this test is for GPU-less machines");
+            skip("a GPU driver is present; this test is for GPU-less machines");
             return;
         }
         let e = Mapping::create(0, 1 << 21).err().expect("no driver here");

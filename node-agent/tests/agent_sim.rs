@@ -551,7 +551,7 @@ fn bad_input_is_refused_and_the_agent_keeps_serving() {
 #[test]
 fn a_user_cannot_lie_about_uid_or_touch_another_users_job() {
     if !is_root() {
-        eprintln!("SKIPPED: needs root to run a second uid");
+        skip("needs root to run a second uid");
         return;
     }
     let e = Env::new("");
@@ -707,9 +707,7 @@ fn a_victim_that_deregistered_just_before_the_fault_is_still_hit() {
 #[test]
 fn self_check_without_a_gpu_fails_cleanly() {
     if Path::new("/dev/nvidiactl").exists() {
-        eprintln!(
-            "SKIPPED: a GPU driver is present; run tests/gpu/gpu_proof.py for the nvml backend"
-        );
+        skip("a GPU driver is present; run tests/gpu/gpu_proof.py for the nvml backend");
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -1112,7 +1110,7 @@ fn an_idle_hit_client_is_ended_so_its_server_recovers() {
 #[test]
 fn the_owner_reads_a_finished_jobs_report_naming_no_other_job() {
     if !is_root() {
-        eprintln!("SKIPPED: needs root to run a second uid");
+        skip("needs root to run a second uid");
         return;
     }
     let e = Env::new("");
@@ -1216,5 +1214,53 @@ fn names_only_job_91(records: &serde_json::Value) {
         assert_eq!(r["actions"], serde_json::json!([]), "{r}");
         assert_eq!(r["outcome"], serde_json::json!([]), "{r}");
         assert!(r["reported_pid"].is_null() && r["culprit"].is_null(), "{r}");
+    }
+}
+
+/// The simulated GPUs' daemon (standing in for an MPS control daemon) is killed under the agent:
+/// the agent starts it again with its domains, and new clients run.
+#[test]
+fn a_killed_mps_daemon_is_started_again() {
+    let e = Env::new("");
+    let daemon = |e: &Env| match mpsr_simgpu::call(
+        &e.path().join("run"),
+        &mpsr_simgpu::SimRequest::Ping,
+        Duration::from_secs(2),
+    ) {
+        Ok(mpsr_simgpu::SimReply::Pong { pid, .. }) => Some(pid),
+        _ => None,
+    };
+    let pid = daemon(&e).expect("the simulated GPU daemon runs");
+    // SAFETY: kill(2) on the simulator daemon this test's agent started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while daemon(&e).is_none_or(|p| p == pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        daemon(&e).is_some_and(|p| p != pid),
+        "daemon not started again"
+    );
+    e.wait_for("gpu0's shared server ready", |e| {
+        matches!(e.call(&Request::Status), Ok(Response::Status(s))
+            if s.gpus[0].state != mpsr_proto::ServerState::Down)
+    });
+    let mut c = e.client(0, 0.2, false);
+    assert_eq!(exit_code(&mut c, Duration::from_secs(5)), Some(0));
+}
+
+/// Says why a test did not run and records it for the test command's summary: a skip is not a pass.
+fn skip(why: &str) {
+    eprintln!("SKIPPED: {why}");
+    if let Ok(p) = std::env::var("MPSR_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+        {
+            let name = std::thread::current().name().unwrap_or("?").to_string();
+            let _ = writeln!(f, "{name}: {why}");
+        }
     }
 }

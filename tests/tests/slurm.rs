@@ -17,7 +17,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 fn cluster(opts: Options) -> Option<(std::sync::MutexGuard<'static, ()>, Cluster)> {
     let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     if std::env::var("MPSR_SKIP_SLURM_TESTS").is_ok_and(|v| v == "1") {
-        eprintln!("SKIPPED: MPSR_SKIP_SLURM_TESTS=1 (real-Slurm tests not run)");
+        skip("MPSR_SKIP_SLURM_TESTS=1 (real-Slurm tests not run)");
         return None;
     }
     let c = Cluster::start(opts).expect("starting the local Slurm cluster");
@@ -555,4 +555,20 @@ fn the_demo_runs_through_real_slurm() {
         text.contains("SIMULATED"),
         "the demo must say its GPUs are simulated"
     );
+}
+
+/// Says why a test did not run and records it for the test command's summary: a skip is not a pass.
+fn skip(why: &str) {
+    eprintln!("SKIPPED: {why}");
+    if let Ok(p) = std::env::var("MPSR_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+        {
+            let name = std::thread::current().name().unwrap_or("?").to_string();
+            let _ = writeln!(f, "{name}: {why}");
+        }
+    }
 }

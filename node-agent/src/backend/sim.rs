@@ -176,15 +176,20 @@ impl GpuBackend for SimBackend {
     }
 
     fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
-        self.call(&SimRequest::StartDomain {
+        let req = SimRequest::StartDomain {
             domain: spec.id,
             pipe_dir: spec.pipe_dir.clone(),
             log_dir: spec.log_dir.clone(),
             owner_uid: spec.owner_uid,
             thread_pct: spec.thread_pct,
             mem_limit: spec.mem_limit,
-        })
-        .map(|_| ())
+        };
+        if self.call(&req).is_ok() {
+            return Ok(());
+        }
+        // The simulated GPUs' daemon died (like an MPS control daemon can): start it again.
+        self.ensure_daemon()?;
+        self.call(&req).map(|_| ())
     }
 
     fn stop_domain(&self, id: DomainId) -> Result<(), BackendError> {

@@ -169,11 +169,52 @@ impl Agent {
         Ok(out)
     }
 
-    /// Stops job and user domains that had neither registered tasks nor clients for the linger time.
+    /// Starts again the daemon of every domain that does not answer (it crashed or was killed):
+    /// new clients of that domain would find no server. A GPU marked unhealthy is left alone.
+    fn restart_dead_daemons(&self, down: &mut BTreeSet<DomainId>) {
+        let domains: Vec<(DomainId, Option<DomainRecord>)> = {
+            let st = self.state();
+            self.backend
+                .gpus()
+                .iter()
+                .filter(|g| !st.d.unhealthy.contains_key(&g.index))
+                .flat_map(|g| self.domains_of_gpu(&st, g.index))
+                .map(|d| (d, st.d.domains.get(d).cloned()))
+                .collect()
+        };
+        for (d, rec) in domains {
+            if self.backend.server_state(d) != ServerState::Down {
+                down.remove(&d);
+                continue;
+            }
+            let _serial = lock(&self.domain_ops);
+            match self.start_domain(&self.spec(d, rec.as_ref())) {
+                Ok(()) => {
+                    down.remove(&d);
+                    tracing::warn!(domain = %d, "MPS control daemon was not answering; started again");
+                }
+                Err(e) => {
+                    if down.insert(d) {
+                        tracing::error!(domain = %d, error = %e, "MPS control daemon not answering and cannot be started; retrying");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops job and user domains that had neither registered tasks nor clients for the linger time,
+    /// and every few seconds starts again a domain daemon that stopped answering.
     pub(crate) fn domain_loop(self: Arc<Self>) {
+        const WATCHDOG_EVERY: u32 = 5;
         let linger_ms = self.cfg.mps.domain_linger_s * 1000;
+        let mut down = BTreeSet::new();
+        let mut tick = 0u32;
         loop {
             std::thread::sleep(Duration::from_secs(1));
+            tick = tick.wrapping_add(1);
+            if tick.is_multiple_of(WATCHDOG_EVERY) {
+                self.restart_dead_daemons(&mut down);
+            }
             let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
                 let st = self.state();
                 let ids = st.d.domains.records().map(|r| r.id).collect();
