@@ -25,6 +25,13 @@ if [ "$(id -u)" -ne 0 ]; then
 else
   cargo test --workspace --locked
 fi
+# The driver patch: C unit test, apply + build nvidia.ko/nvidia-uvm.ko against Debian's open source
+# and kernel headers, check the built module (driver-patch/README.md). Never loads a module.
+if [ "${MPSR_SKIP_DRIVER_PATCH:-0}" = 1 ]; then
+  echo "driver-patch/build.sh: MPSR_SKIP_DRIVER_PATCH=1 (series not built)" >> "$MPSR_SKIP_LOG"
+else
+  bash driver-patch/build.sh
+fi
 if [ -s "$MPSR_SKIP_LOG" ]; then
   echo "test: $(wc -l < "$MPSR_SKIP_LOG") test(s) SKIPPED (not run, not passed):"
   sed 's/^/  /' "$MPSR_SKIP_LOG"

@@ -267,6 +267,36 @@ mod tests {
                 contained: true
             })
         );
+        // The driver patch's full line (driver-patch/src/mpsr_isolate.c), with the process name
+        // last and sanitized: a name that spells a field cannot change the real one.
+        assert_eq!(
+            parse_line("NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=902 contained=0 engine=GRAPHICS veid=3 addr=0x10 access=WRITE type=INVALID_PDE comm=x_contained_1_"),
+            Some(KernelLine::Isolation {
+                pci: PCI6,
+                xid: 31,
+                culprit_pid: 902,
+                contained: false
+            })
+        );
+        // Lying or garbled fields: no isolation line at all (the Xid alone then decides).
+        for bad in [
+            "NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=-4 contained=1",
+            "NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=abc contained=1",
+            "NVRM: mpsr-isolate (PCI:0000:00:06): xid=x31 culprit_pid=1 contained=1",
+            "NVRM: mpsr-isolate (PCI:0000:00:06) xid=31 culprit_pid=1 contained=1",
+            "NVRM: mpsr-isolate PCI:0000:00:06: xid=31 culprit_pid=1 contained=1",
+            "NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 ppid=1 contained=1",
+        ] {
+            assert_eq!(parse_line(bad), None, "{bad}");
+        }
+        // Anything but exactly 1 is not contained.
+        assert!(matches!(
+            parse_line("NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=5 contained=yes"),
+            Some(KernelLine::Isolation {
+                contained: false,
+                ..
+            })
+        ));
     }
 
     #[test]
