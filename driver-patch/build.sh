@@ -100,10 +100,11 @@ for m in $modules; do
 done
 fail=0
 check() { if eval "$2"; then echo "driver-patch: ok    $1"; else echo "driver-patch: FAIL  $1" >&2; fail=1; fi; }
+# (grep without -q: under pipefail an early exit would fail the producer with SIGPIPE)
 check "nvidia-uvm.ko has the parameter uvm_mpsr_attribution" \
-  "modinfo -F parm '$uvm' | grep -q '^uvm_mpsr_attribution:'"
+  "modinfo -F parm '$uvm' | grep '^uvm_mpsr_attribution:' >/dev/null"
 check "nvidia-uvm.ko prints the line the agent parses" \
-  "strings '$uvm' | grep -qF 'mpsr-isolate (PCI:%04x:%02x:%02x): xid=%u culprit_pid=%d contained=%d'"
-check "built for $kernel" "modinfo -F vermagic '$uvm' | grep -q '^$kernel '"
+  "strings '$uvm' | grep -F 'mpsr-isolate (PCI:%04x:%02x:%02x): xid=%u culprit_pid=%d contained=%d' >/dev/null"
+check "built for $kernel" "modinfo -F vermagic '$uvm' | grep '^$kernel ' >/dev/null"
 echo "driver-patch: nvidia-uvm.ko version $(modinfo -F version "$uvm"), vermagic $(modinfo -F vermagic "$uvm")"
 exit $fail

@@ -32,7 +32,7 @@ impl Agent {
         }
     }
 
-    fn watch_recovering(&self) {
+    fn watch_recovering(self: &Arc<Self>) {
         let grace = Duration::from_millis(self.cfg.mps.fault_grace_ms);
         let domains: Vec<(DomainId, u64, Instant)> = self
             .state()
@@ -67,19 +67,24 @@ impl Agent {
                         r.terminated.extend(&t);
                         t
                     };
+                    // Off this loop: terminate_client blocks until the client is gone (an idle
+                    // one: up to the command timeout), and other domains are watched meanwhile.
                     for pid in todo {
-                        let res = self.backend.terminate_client(domain, pid);
-                        let line = format!(
-                            "terminate_client {pid} on {domain} (still attached after {} ms): {}",
-                            grace.as_millis(),
-                            match res {
-                                Ok(()) => "ok".to_string(),
-                                Err(e) => e.to_string(),
-                            }
-                        );
-                        tracing::warn!(%domain, pid, "{line}");
-                        let mut st = self.state();
-                        self.add_outcome(&mut st, fault_id, line);
+                        let a = self.clone();
+                        std::thread::spawn(move || {
+                            let res = a.backend.terminate_client(domain, pid);
+                            let line = format!(
+                                "terminate_client {pid} on {domain} (still attached after {} ms): {}",
+                                grace.as_millis(),
+                                match res {
+                                    Ok(()) => "ok".to_string(),
+                                    Err(e) => e.to_string(),
+                                }
+                            );
+                            tracing::warn!(%domain, pid, "{line}");
+                            let mut st = a.state();
+                            a.add_outcome(&mut st, fault_id, line);
+                        });
                     }
                 }
                 ServerState::Lost | ServerState::Down | ServerState::Fault => {}
@@ -88,10 +93,31 @@ impl Agent {
     }
 
     /// SIGKILLs the clients of `domain` that are (or run under) a registered task of a hit job;
-    /// reports the others once.
+    /// reports the others once. The server's client list is not enough: measured on an H200,
+    /// while a poisoned idle client holds the server, `terminate_client` blocks and the control
+    /// daemon answers nothing. So the hit tasks' own CUDA processes (holding /dev/nvidia*) count too.
     fn end_hit_clients(&self, domain: DomainId, fault_id: u64) {
-        let clients = self.backend.clients(domain);
+        let mut clients = self.backend.clients(domain);
         let mut lines = Vec::new();
+        let roots: Vec<u32> = {
+            let st = self.state();
+            let Some(r) = st.recovering.get(&domain) else {
+                return;
+            };
+            st.d.registry
+                .tasks()
+                .chain(st.recent_exits.iter().map(|(_, t)| t))
+                .filter(|t| r.hit_jobs.contains(&t.job_id) && t.in_domain(domain))
+                .map(|t| t.pid)
+                .collect()
+        };
+        for root in roots {
+            for p in std::iter::once(root).chain(procfs::descendants(root)) {
+                if !clients.contains(&p) && procfs::uses_gpu(p) {
+                    clients.push(p);
+                }
+            }
+        }
         {
             let mut st = self.state();
             let Some(r) = st.recovering.get(&domain) else {

@@ -303,6 +303,27 @@ pub mod procfs {
         }
     }
 
+    /// Every live process that has `pid` among its ancestors (one scan of /proc).
+    pub fn descendants(pid: u32) -> Vec<u32> {
+        let Ok(rd) = fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|p| *p != pid && ancestry(*p).contains(&pid))
+            .collect()
+    }
+
+    /// Whether the process holds an NVIDIA device open (it is a CUDA process: an MPS client).
+    pub fn uses_gpu(pid: u32) -> bool {
+        let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            return false;
+        };
+        rd.flatten().any(|e| {
+            fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("/dev/nvidia"))
+        })
+    }
+
     /// `pid` and its ancestors, nearest first (bounded, so a loop in a bad /proc cannot hang us).
     pub fn ancestry(pid: u32) -> Vec<u32> {
         let mut out = vec![pid];

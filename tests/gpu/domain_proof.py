@@ -127,6 +127,11 @@ def main():
 
     only = os.environ.get("DOMAIN_PROOF_ONLY", "")
     job = 300
+    if only == "idle":
+        idle_client(probe, job)
+        agent.terminate()
+        agent.wait(30)
+        return g.finish_common("domain_proof.json")
     # --- faults in one of two domains ---------------------------------------------------------------
     for mode, xids, cls in ([] if only else  (("illegal", {31}, "app_memory"), ("trap", {43}, "app_sm"),
                             ("misaligned", {13, 43}, "app_sm"))):
@@ -170,7 +175,7 @@ def main():
               f"the other domain's server stayed ACTIVE ({len(seen)} samples: {sorted(set(seen))})")
         time.sleep(0.5)
         new = [e for e in events() if e["fault_id"] not in known]
-        RESULTS["cases"].setdefault(case, {})["events"] = new
+        RESULTS["cases"].setdefault(case, {"checks": []})["events"] = new
         RESULTS["cases"][case]["kmsg"] = [m for _, m in kmsg.xids_since(x.t_spawn)]
         for e in new:
             say(f"  decision: fault {e['fault_id']} xids {e['xids']} class {e['class']} sources {e['sources']} "
@@ -203,6 +208,43 @@ def main():
     agent.terminate()
     agent.wait(30)
     return g.finish_common("domain_proof.json")
+
+
+def idle_client(probe, job):
+    # --- a hit client that is not calling CUDA holds its server in FAULT ----------------------------
+    case = "idle_client"
+    say(f"=== case {case}")
+    known = {e["fault_id"] for e in events()}
+    idle = Task(job, "job", [probe, "idle", 30])
+    if not (idle.ctx and idle.wait_line("READY")):
+        check(case, False, f"idle client up ({idle.text()})")
+        return
+    t0 = time.time()
+    f = Task(job, "job", [probe, "illegal", 0.5])
+    f.wait(30)
+    code = idle.wait(40)
+    t_dead = time.time()
+    idle.done(code)
+    f.done(1)
+    say(f"  idle client exit {code} after {t_dead - t0:.2f} s: {idle.text()}")
+    back = None
+    end = time.time() + 30
+    while time.time() < end:
+        new = [e for e in events() if e["fault_id"] not in known and e["hit_jobs"]]
+        lines = [o for e in new for o in e["outcome"]]
+        act = [o for o in lines if "ACTIVE again" in o]
+        if act:
+            back = act[0]
+            break
+        time.sleep(0.2)
+    new = [e for e in events() if e["fault_id"] not in known]
+    RESULTS["cases"].setdefault(case, {"checks": []})["events"] = new
+    for e in new:
+        say(f"  decision: fault {e['fault_id']} hit {e['hit_jobs']} outcome {e['outcome']}")
+    outcome = [o for e in new for o in e["outcome"]]
+    check(case, code == -9, f"the idle hit client was ended with SIGKILL (exit {code})")
+    check(case, any("ended with SIGKILL" in o for o in outcome), "the event says so")
+    check(case, back is not None, f"its server ACTIVE again: {back}")
 
 
 def startup_memory_restart(probe, shared_pipe, shared_log, cfg, agent_log, agent, job):

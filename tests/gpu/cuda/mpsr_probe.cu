@@ -2,6 +2,8 @@
 //   mpsr_probe victim SECONDS     small kernels in a loop; prints READY, then VICTIM_OK or VICTIM_ERROR
 //   mpsr_probe illegal|trap|misaligned|assert   one faulting kernel (Xid 31 / 43 / 13+43 / none)
 //   mpsr_probe load SECONDS       GPU-bound kernels; prints LOAD_RATE <kernels per second>
+//   mpsr_probe idle SECONDS       a context and memory, one kernel, then no CUDA call for SECONDS
+//                                 (prints READY), then one more kernel (IDLE_OK or IDLE_ERROR)
 //   mpsr_probe rate SECONDS BLOCKS START_UNIX [BURST]   small kernels (BLOCKS x 256 threads), a
 //                                 sync after every BURST (default 1) from wall time START_UNIX on;
 //                                 prints RATE <kernels per second>
@@ -86,6 +88,21 @@ int main(int argc, char **argv) {
       printf("LOAD_RATE %.3f\n", k / (now_s() - t0));
     else
       printf("VICTIM_OK %ld\n", k);
+    fflush(stdout);
+    return 0;
+  }
+  if (!strcmp(mode, "idle")) {
+    int n = 1 << 20;
+    float *a;
+    if ((e = cudaMalloc(&a, n * sizeof(float))) != cudaSuccess) return report("IDLE_ERROR", e);
+    inc<<<n / 256, 256>>>(a, n);
+    if ((e = cudaDeviceSynchronize()) != cudaSuccess) return report("IDLE_ERROR", e);
+    printf("READY\n");
+    fflush(stdout);
+    usleep((useconds_t)(secs * 1e6));  // not calling CUDA: a fault elsewhere poisons it silently
+    inc<<<n / 256, 256>>>(a, n);
+    if ((e = cudaDeviceSynchronize()) != cudaSuccess) return report("IDLE_ERROR", e);
+    printf("IDLE_OK\n");
     fflush(stdout);
     return 0;
   }
