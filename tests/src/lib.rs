@@ -465,13 +465,7 @@ gpus = {}
         for n in self.opts.nodes.clone() {
             self.start_agent(&n)?;
         }
-        let ctld = self.spawn(
-            "slurmctld",
-            Command::new(which("slurmctld").ok_or_else(|| err("slurmctld not found"))?)
-                .args(["-D", "-i", "-f"])
-                .arg(&self.conf),
-        )?;
-        self.daemons.push(("slurmctld".into(), ctld));
+        self.start_slurmctld()?;
         for n in self.opts.nodes.clone() {
             let sd = self.spawn(
                 &format!("slurmd.{n}"),
@@ -492,6 +486,26 @@ gpus = {}
         })
         .map_err(|e| err(format!("{e} (logs in {})", self.dir.join("log").display())))?;
         Ok(())
+    }
+
+    /// Starts slurmctld (again: it keeps its state in the cluster's state directory).
+    pub fn start_slurmctld(&mut self) -> Result<()> {
+        let ctld = self.spawn(
+            "slurmctld",
+            Command::new(which("slurmctld").ok_or_else(|| err("slurmctld not found"))?)
+                .args(["-D", "-i", "-f"])
+                .arg(&self.conf),
+        )?;
+        self.daemons.push(("slurmctld".into(), ctld));
+        Ok(())
+    }
+
+    /// Stops slurmctld (SIGTERM, it saves its state); jobs on the nodes run on.
+    pub fn stop_slurmctld(&mut self) {
+        if let Some(i) = self.daemons.iter().position(|(n, _)| n == "slurmctld") {
+            let (_, mut c) = self.daemons.remove(i);
+            stop_child("slurmctld", &mut c, Duration::from_secs(10));
+        }
     }
 
     pub fn agent_socket(&self, node: &str) -> PathBuf {

@@ -508,6 +508,43 @@ fn a_fault_requeues_only_the_jobs_of_its_fault_domain() {
     assert!(not_drained(&c, "n1"));
 }
 
+/// Chaos: slurmctld is down when a fault hits a protected batch job. The agent's requeue fails
+/// and is retried; once slurmctld is back it is done, exactly once.
+#[test]
+fn a_requeue_while_slurmctld_is_down_is_done_once_it_is_back() {
+    let Some((_g, mut c)) = cluster(Options::default()) else {
+        return;
+    };
+    let id = protected_batch_job(&c);
+    wait_for("its client attached", SHORT, || {
+        (!c.clients("n1", 0).is_empty()).then_some(())
+    })
+    .unwrap();
+    c.stop_slurmctld();
+    let killed = c.inject("n1", 0, 31).unwrap();
+    assert_eq!(killed.len(), 1);
+    // The agent tried and failed (scontrol cannot reach slurmctld); it keeps the action pending.
+    wait_for("a failed requeue attempt", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        (s.pending_actions == 1).then_some(())
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        c.agent_status("n1").unwrap().pending_actions,
+        1,
+        "still pending, not dropped"
+    );
+    c.start_slurmctld().unwrap();
+    wait_for("job requeued once slurmctld is back", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    assert_eq!(c.job_field(id, "Restarts"), "1", "requeued exactly once");
+    assert_eq!(c.agent_status("n1").unwrap().pending_actions, 0);
+}
+
 /// A job spanning two nodes: a fault on one node's GPU requeues the whole job.
 #[test]
 fn multi_node_job_is_requeued_as_a_whole() {
