@@ -84,8 +84,8 @@ pub struct MpsConfig {
     pub default_pinned_mem_limit: String,
     pub command_timeout_ms: u64,
     pub health_interval_ms: u64,
-    /// After a fault, clients still attached after this long are ended with `terminate_client` so the
-    /// server can return to ACTIVE; after twice this long, hit jobs' clients with SIGKILL.
+    /// After a fault, hit jobs' CUDA processes still attached after this long are ended (SIGKILL) so
+    /// the server can return to ACTIVE; other clients get `terminate_client`.
     pub fault_grace_ms: u64,
     /// Stop the MPS daemons when the agent stops. Off: an agent restart must not end running jobs'
     /// GPU work (the daemons keep serving; the restarted agent takes them over).

@@ -230,7 +230,6 @@ impl Agent {
                 fault_id: ev.id,
                 since: ev.first,
                 hit_jobs: BTreeSet::new(),
-                terminated: BTreeSet::new(),
                 killed: BTreeSet::new(),
                 blockers_reported: BTreeSet::new(),
             });

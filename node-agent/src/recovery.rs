@@ -1,12 +1,13 @@
 //! After a fault: watches each hit domain's server back to ACTIVE, clears healed GPUs, and answers
 //! resume supervisors (restart once the task's own server is ACTIVE).
 //!
-//! A server stays in FAULT until every client it poisoned is gone. Clients still attached after
-//! `mps.fault_grace_ms` get `terminate_client`; that does not reach a client that is not calling
-//! CUDA at the moment (measured on an H200: sleeping, its server stayed in FAULT 5.1 s although
-//! terminate_client was answered at 2 s). After twice the grace, the clients that belong to a hit
-//! job (already dead in GPU terms: their next CUDA call fails) are ended with SIGKILL; clients of
-//! no hit job are reported as what blocks recovery, never killed.
+//! A server stays in FAULT until every client it poisoned is gone. After `mps.fault_grace_ms`,
+//! the clients that belong to a hit job (already dead in GPU terms: their next CUDA call fails)
+//! are ended with SIGKILL: `terminate_client` does not reach a client that is not calling CUDA,
+//! and measured on an H200 it then blocks the control daemon (nothing answers, the server stays in
+//! FAULT until the client's next CUDA call, 29 s later in that run). Clients of no hit job get
+//! `terminate_client` (off this loop) and are named in the event as what blocks recovery, never
+//! killed.
 
 use crate::agent::Agent;
 use crate::registry::procfs;
@@ -50,42 +51,10 @@ impl Agent {
                     tracing::info!(%domain, fault_id, "{line}");
                     self.add_outcome(&mut st, fault_id, line);
                 }
-                ServerState::Fault if since.elapsed() > 2 * grace => {
-                    self.end_hit_clients(domain, fault_id);
-                }
-                ServerState::Fault if since.elapsed() > grace => {
-                    let clients = self.backend.clients(domain);
-                    let todo: Vec<u32> = {
-                        let mut st = self.state();
-                        let Some(r) = st.recovering.get_mut(&domain) else {
-                            continue;
-                        };
-                        let t: Vec<u32> = clients
-                            .into_iter()
-                            .filter(|c| !r.terminated.contains(c))
-                            .collect();
-                        r.terminated.extend(&t);
-                        t
-                    };
-                    // Off this loop: terminate_client blocks until the client is gone (an idle
-                    // one: up to the command timeout), and other domains are watched meanwhile.
-                    for pid in todo {
-                        let a = self.clone();
-                        std::thread::spawn(move || {
-                            let res = a.backend.terminate_client(domain, pid);
-                            let line = format!(
-                                "terminate_client {pid} on {domain} (still attached after {} ms): {}",
-                                grace.as_millis(),
-                                match res {
-                                    Ok(()) => "ok".to_string(),
-                                    Err(e) => e.to_string(),
-                                }
-                            );
-                            tracing::warn!(%domain, pid, "{line}");
-                            let mut st = a.state();
-                            a.add_outcome(&mut st, fault_id, line);
-                        });
-                    }
+                // A server holding a poisoned client may not answer at all (its control daemon
+                // blocks): Down here is that, not a dead daemon.
+                ServerState::Fault | ServerState::Down if since.elapsed() > grace => {
+                    self.end_hit_clients(domain, fault_id, grace);
                 }
                 ServerState::Lost | ServerState::Down | ServerState::Fault => {}
             }
@@ -96,9 +65,9 @@ impl Agent {
     /// reports the others once. The server's client list is not enough: measured on an H200,
     /// while a poisoned idle client holds the server, `terminate_client` blocks and the control
     /// daemon answers nothing. So the hit tasks' own CUDA processes (holding /dev/nvidia*) count too.
-    fn end_hit_clients(&self, domain: DomainId, fault_id: u64) {
+    fn end_hit_clients(self: &Arc<Self>, domain: DomainId, fault_id: u64, grace: Duration) {
         let mut clients = self.backend.clients(domain);
-        let mut lines = Vec::new();
+        let (mut lines, mut terminate) = (Vec::new(), Vec::new());
         let roots: Vec<u32> = {
             let st = self.state();
             let Some(r) = st.recovering.get(&domain) else {
@@ -150,7 +119,7 @@ impl Agent {
                     let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
                     lines.push(format!(
                         "client {pid} of a hit job still held {domain} in FAULT after {} ms (not calling CUDA?): {}",
-                        2 * self.cfg.mps.fault_grace_ms,
+                        grace.as_millis(),
                         if rc == 0 { "ended with SIGKILL".to_string() } else { format!("SIGKILL failed: {}", std::io::Error::last_os_error()) }
                     ));
                 }
@@ -158,11 +127,30 @@ impl Agent {
             for pid in blockers {
                 if r.blockers_reported.insert(pid) {
                     lines.push(format!(
-                        "{domain} stays in FAULT: client {pid} is no registered task of a hit job; not ended (an operator can: mpsrctl terminate --gpu {} --slot {} --pid {pid})",
+                        "{domain} stays in FAULT: client {pid} is no registered task of a hit job; not killed, terminate_client sent (an operator can also: mpsrctl terminate --gpu {} --slot {} --pid {pid})",
                         domain.gpu, domain.slot
                     ));
+                    terminate.push(pid);
                 }
             }
+        }
+        // Off the health loop: terminate_client blocks until the client is gone (an idle one: up
+        // to the command timeout, the control daemon answering nothing meanwhile).
+        for pid in terminate {
+            let a = self.clone();
+            std::thread::spawn(move || {
+                let res = a.backend.terminate_client(domain, pid);
+                let line = format!(
+                    "terminate_client {pid} on {domain}: {}",
+                    match res {
+                        Ok(()) => "ok".to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                );
+                tracing::warn!(%domain, pid, "{line}");
+                let mut st = a.state();
+                a.add_outcome(&mut st, fault_id, line);
+            });
         }
         for line in lines {
             tracing::warn!(%domain, fault_id, "{line}");

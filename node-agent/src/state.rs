@@ -172,7 +172,6 @@ pub struct Recovering {
     pub since: Instant,
     /// The jobs the fault hit: their clients may be ended to let the server recover.
     pub hit_jobs: BTreeSet<u32>,
-    pub terminated: BTreeSet<u32>,
     /// Clients ended with SIGKILL (terminate_client does not reach an idle client).
     pub killed: BTreeSet<u32>,
     /// Clients of no hit job that still hold the server in FAULT (reported once).

@@ -179,6 +179,8 @@ impl Agent {
                 .iter()
                 .filter(|g| !st.d.unhealthy.contains_key(&g.index))
                 .flat_map(|g| self.domains_of_gpu(&st, g.index))
+                // A server recovering from a fault may not answer: it is not dead.
+                .filter(|d| !st.recovering.contains_key(d))
                 .map(|d| (d, st.d.domains.get(d).cloned()))
                 .collect()
         };
