@@ -17,6 +17,7 @@ pub mod keeper;
 pub mod kmsg;
 pub mod logging;
 pub mod mps;
+pub mod notify;
 pub mod persist;
 pub mod persister;
 pub mod recovery;

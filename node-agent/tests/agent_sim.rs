@@ -1266,3 +1266,35 @@ fn skip(why: &str) {
         }
     }
 }
+
+/// Under systemd (`Type=notify`) the agent says READY=1 once its socket serves.
+#[test]
+fn the_agent_tells_systemd_when_it_is_ready() {
+    let mut e = Env::new("");
+    e.kill_agent();
+    let sock_path = e.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+        .arg("--config")
+        .arg(e.path().join("agent.toml"))
+        .env("NOTIFY_SOCKET", &sock_path)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    e.agent = Some(child);
+    let mut buf = [0u8; 256];
+    let n = notify.recv(&mut buf).expect("a readiness datagram");
+    let msg = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(msg.starts_with("READY=1\n"), "{msg}");
+    assert!(msg.contains("STATUS=serving 2 GPU(s)"), "{msg}");
+    // Ready means serving.
+    assert!(matches!(
+        e.call(&Request::Hello {
+            version: mpsr_proto::PROTOCOL_VERSION
+        }),
+        Ok(Response::Hello { .. })
+    ));
+}

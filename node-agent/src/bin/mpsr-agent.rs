@@ -147,10 +147,16 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
     tracing::info!(node = %node, backend = backend.name(), simulated = backend.simulated(), gpus = backend.gpus().len(), socket = %socket.display(), "agent ready");
     let a = agent.clone();
     std::thread::spawn(move || mpsr_agent::server::serve(a, listener));
+    // Ready once the socket is bound and every domain's daemon is up: slurmd is ordered after it.
+    let gpus = backend.gpus().len();
+    if let Err(e) = mpsr_agent::notify::notify(&format!("READY=1\nSTATUS=serving {gpus} GPU(s)")) {
+        tracing::warn!(error = %e, "telling systemd we are ready failed");
+    }
     let mut sig: libc::c_int = 0;
     // SAFETY: set is a valid sigset and sig a valid out-parameter.
     unsafe { libc::sigwait(&set, &mut sig) };
     tracing::info!(signal = sig, "shutting down");
+    let _ = mpsr_agent::notify::notify("STOPPING=1");
     agent.shutdown();
     let _ = std::fs::remove_file(&socket);
     Ok(())
