@@ -326,14 +326,16 @@ fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
                 format!("no GPU {g} on node {}", agent.node),
             );
         }
-        out.push(context(
+        let mut c = context(
             agent,
             &Placement {
                 domain: DomainId::shared(*g),
                 isolation: Isolation::Shared,
                 quarantined: false,
             },
-        ));
+        );
+        c.state = Some(agent.backend.server_state(DomainId::shared(*g)));
+        out.push(c);
     }
     Response::GpuContexts { contexts: out }
 }
@@ -353,7 +355,7 @@ fn context(agent: &Agent, p: &Placement) -> GpuContext {
         isolation: p.isolation,
         pipe_dir: pipe.display().to_string(),
         log_dir: log.display().to_string(),
-        state: agent.backend.server_state(p.domain),
+        state: None,
         keeper_socket: agent
             .keepers
             .enabled()

@@ -275,7 +275,10 @@ pub struct GpuContext {
     pub isolation: Isolation,
     pub pipe_dir: String,
     pub log_dir: String,
-    pub state: ServerState,
+    /// The server's state when asked for (`GpuContexts`); not looked up on the registration path
+    /// (that would cost an MPS control command per task).
+    #[serde(default)]
+    pub state: Option<ServerState>,
     /// The GPU's state keeper socket, when the keeper is enabled.
     #[serde(default)]
     pub keeper_socket: Option<String>,
