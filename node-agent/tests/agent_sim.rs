@@ -805,6 +805,17 @@ impl Env {
         isolation: Option<mpsr_proto::Isolation>,
         secs: u32,
     ) -> Gated {
+        self.placed_client_as(job, isolation, secs, None)
+    }
+
+    /// As slurmstepd registers a task of a job owned by `uid` (None: the caller's).
+    fn placed_client_as(
+        &self,
+        job: u32,
+        isolation: Option<mpsr_proto::Isolation>,
+        secs: u32,
+        uid: Option<u32>,
+    ) -> Gated {
         let mut child = Command::new("/bin/sh")
             .arg("-c")
             .arg(format!(
@@ -818,6 +829,7 @@ impl Env {
             .unwrap();
         let mut r = reg(job, child.id(), &[0], Mode::Requeue, true);
         r.isolation = isolation;
+        r.uid = uid;
         let ctx = match self.call(&Request::Register(r)).unwrap() {
             Response::Registered { contexts } => contexts.into_iter().next().unwrap(),
             other => panic!("register job {job}: {other:?}"),
@@ -1297,4 +1309,67 @@ fn the_agent_tells_systemd_when_it_is_ready() {
         }),
         Ok(Response::Hello { .. })
     ));
+}
+
+/// `user` isolation: one server per uid. A fault in a user's server hits that user's jobs, no one
+/// else's.
+#[test]
+fn user_isolation_shares_a_server_between_a_users_jobs_only() {
+    use mpsr_proto::Isolation;
+    if !is_root() {
+        skip("needs root: a user's domain belongs to that uid (0700)");
+        return;
+    }
+    let e = Env::new("");
+    let mut a1 = e.placed_client_as(71, Some(Isolation::User), 60, Some(1000));
+    let mut a2 = e.placed_client_as(72, Some(Isolation::User), 60, Some(1000));
+    let mut b = e.placed_client_as(73, Some(Isolation::User), 60, Some(1001));
+    let mut s = e.placed_client_as(74, None, 60, Some(1002));
+    assert_eq!(a1.domain, a2.domain, "one server per user");
+    assert!(!a1.domain.is_shared() && a1.domain != b.domain && !b.domain.is_shared());
+    assert!(s.domain.is_shared());
+    let r = e
+        .call(&Request::SimInject {
+            gpu: 0,
+            xid: 43,
+            culprit: None,
+            slot: Some(a1.domain.slot),
+        })
+        .unwrap();
+    let Response::Injected { mut killed, .. } = r else {
+        panic!("{r:?}")
+    };
+    killed.sort();
+    let mut want = vec![a1.proc.id(), a2.proc.id()];
+    want.sort();
+    assert_eq!(killed, want);
+    for p in [&mut a1.proc, &mut a2.proc] {
+        assert_eq!(exit_code(p, Duration::from_secs(5)), Some(1));
+    }
+    e.wait_for("the user's two jobs requeued", |e| {
+        let l = e.scontrol_log();
+        l.contains("requeue 71") && l.contains("requeue 72")
+    });
+    let f = e.events().last().unwrap().clone();
+    assert_eq!(f.hit_jobs, vec![71, 72], "{f}");
+    assert_eq!(f.hit_domains, vec![a1.domain], "{f}");
+    assert_eq!(
+        f.culprit_job, None,
+        "two jobs in the server: the culprit is not known"
+    );
+    for (p, what) in [
+        (&mut b.proc, "the other user's job"),
+        (&mut s.proc, "the shared job"),
+    ] {
+        assert_eq!(
+            exit_code(p, Duration::from_millis(200)),
+            None,
+            "{what} runs on"
+        );
+    }
+    let l = e.scontrol_log();
+    assert!(
+        !l.contains("requeue 73") && !l.contains("requeue 74"),
+        "{l}"
+    );
 }
