@@ -231,6 +231,7 @@ impl Agent {
                 since: ev.first,
                 hit_jobs: BTreeSet::new(),
                 killed: BTreeSet::new(),
+                scanned_at: None,
                 blockers_reported: BTreeSet::new(),
             });
             r.hit_jobs.extend(dec.hit.iter().copied());

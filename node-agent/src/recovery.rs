@@ -11,6 +11,7 @@
 
 use crate::agent::Agent;
 use crate::registry::procfs;
+use crate::state::State;
 use crate::xid::FaultClass;
 use mpsr_proto::{DomainId, ResumeVerdict, ServerState};
 use std::sync::Arc;
@@ -69,22 +70,33 @@ impl Agent {
         let mut clients = self.backend.clients(domain);
         let (mut lines, mut terminate) = (Vec::new(), Vec::new());
         let roots: Vec<u32> = {
-            let st = self.state();
-            let Some(r) = st.recovering.get(&domain) else {
+            let mut st = self.state();
+            let State {
+                d,
+                recent_exits,
+                recovering,
+                ..
+            } = &mut *st;
+            let Some(r) = recovering.get_mut(&domain) else {
                 return;
             };
-            st.d.registry
-                .tasks()
-                .chain(st.recent_exits.iter().map(|(_, t)| t))
-                .filter(|t| r.hit_jobs.contains(&t.job_id) && t.in_domain(domain))
-                .map(|t| t.pid)
-                .collect()
+            if r.scanned_at
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            {
+                Vec::new()
+            } else {
+                r.scanned_at = Some(Instant::now());
+                d.registry
+                    .tasks()
+                    .chain(recent_exits.iter().map(|(_, t)| t))
+                    .filter(|t| r.hit_jobs.contains(&t.job_id) && t.in_domain(domain))
+                    .map(|t| t.pid)
+                    .collect()
+            }
         };
-        for root in roots {
-            for p in std::iter::once(root).chain(procfs::descendants(root)) {
-                if !clients.contains(&p) && procfs::uses_gpu(p) {
-                    clients.push(p);
-                }
+        for p in procfs::under(&roots) {
+            if !clients.contains(&p) && procfs::uses_gpu(p) {
+                clients.push(p);
             }
         }
         {

@@ -303,14 +303,18 @@ pub mod procfs {
         }
     }
 
-    /// Every live process that has `pid` among its ancestors (one scan of /proc).
-    pub fn descendants(pid: u32) -> Vec<u32> {
+    /// Every live process that is one of `roots` or has one among its ancestors (one scan of
+    /// /proc for all of them).
+    pub fn under(roots: &[u32]) -> Vec<u32> {
+        if roots.is_empty() {
+            return Vec::new();
+        }
         let Ok(rd) = fs::read_dir("/proc") else {
             return Vec::new();
         };
         rd.flatten()
             .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|p| *p != pid && ancestry(*p).contains(&pid))
+            .filter(|p| ancestry(*p).iter().any(|a| roots.contains(a)))
             .collect()
     }
 

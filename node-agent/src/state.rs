@@ -174,6 +174,9 @@ pub struct Recovering {
     pub hit_jobs: BTreeSet<u32>,
     /// Clients ended with SIGKILL (terminate_client does not reach an idle client).
     pub killed: BTreeSet<u32>,
+    /// When /proc was last searched for the hit tasks' CUDA processes (at most once a second:
+    /// the health loop comes by every 50 ms).
+    pub scanned_at: Option<Instant>,
     /// Clients of no hit job that still hold the server in FAULT (reported once).
     pub blockers_reported: BTreeSet<u32>,
 }
