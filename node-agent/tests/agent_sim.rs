@@ -130,6 +130,22 @@ impl Env {
         );
     }
 
+    /// Injects a simulated fault (`slot`: the domain whose server faults); the clients it killed.
+    fn inject(&self, gpu: u32, xid: u32, culprit: Option<u32>, slot: Option<u32>) -> Vec<u32> {
+        match self
+            .call(&Request::SimInject {
+                gpu,
+                xid,
+                culprit,
+                slot,
+            })
+            .unwrap()
+        {
+            Response::Injected { killed, .. } => killed,
+            r => panic!("inject: {r:?}"),
+        }
+    }
+
     fn events(&self) -> Vec<mpsr_proto::DecisionRecord> {
         match self.call(&Request::Events { limit: 100 }).unwrap() {
             Response::Events { events } => events,
@@ -243,17 +259,7 @@ fn xid31_hits_every_job_on_the_gpu_and_spares_the_other_gpu() {
     e.register(2, c2.id(), &[0], Mode::Requeue, true);
     e.register(3, c3.id(), &[0], Mode::Resume, false);
     e.register(4, c4.id(), &[1], Mode::Requeue, true);
-    let r = e
-        .call(&Request::SimInject {
-            gpu: 0,
-            xid: 31,
-            culprit: Some(c2.id()),
-            slot: None,
-        })
-        .unwrap();
-    let Response::Injected { mut killed, .. } = r else {
-        panic!("{r:?}")
-    };
+    let mut killed = e.inject(0, 31, Some(c2.id()), None);
     killed.sort();
     let mut want = vec![c1.id(), c2.id(), c3.id()];
     want.sort();
@@ -318,13 +324,7 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
     // Stop the victim so it cannot exit: the server stays in FAULT until the agent ends it.
     // SAFETY: plain kill(2) on our own child.
     unsafe { libc::kill(c1.id() as i32, libc::SIGSTOP) };
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     let mut refused = e.client_raw(0);
     assert_eq!(
         exit_code(&mut refused, Duration::from_secs(5)),
@@ -366,13 +366,7 @@ fn isolation_source_narrows_hit_set_to_the_culprit() {
     let mut b = e.client(0, 30.0, false);
     e.register(1, a.id(), &[0], Mode::Requeue, true);
     e.register(2, b.id(), &[0], Mode::Requeue, true);
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 31,
-        culprit: Some(b.id()),
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 31, Some(b.id()), None);
     assert_eq!(exit_code(&mut b, Duration::from_secs(5)), Some(1));
     assert_eq!(
         exit_code(&mut a, Duration::from_millis(500)),
@@ -403,13 +397,7 @@ fn hardware_classes_drain_and_application_classes_do_not() {
     let e = Env::new("");
     let mut c = e.client(1, 30.0, false);
     e.register(7, c.id(), &[1], Mode::Requeue, true);
-    e.call(&Request::SimInject {
-        gpu: 1,
-        xid: 79,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(1, 79, None, None);
     assert_eq!(exit_code(&mut c, Duration::from_secs(5)), Some(1));
     e.wait_for("drain + requeue", |e| {
         let l = e.scontrol_log();
@@ -429,13 +417,7 @@ fn hardware_classes_drain_and_application_classes_do_not() {
     let c2 = e.client(0, 30.0, false);
     e.register(8, c2.id(), &[0], Mode::Requeue, true);
     for x in [63, 4242] {
-        e.call(&Request::SimInject {
-            gpu: 0,
-            xid: x,
-            culprit: None,
-            slot: None,
-        })
-        .unwrap();
+        e.inject(0, x, None, None);
         std::thread::sleep(Duration::from_millis(600)); // outside the correlation window
     }
     let ev = e.events();
@@ -464,13 +446,7 @@ fn registry_survives_agent_restart_and_actions_are_not_duplicated() {
     // A fault now: the idle client survives (no work in flight) but the job is still hit by policy.
     let c2 = e.client(0, 60.0, false);
     e.register(11, c2.id(), &[0], Mode::Requeue, true);
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 11"));
     e.kill_agent();
     e.start_agent();
@@ -689,13 +665,7 @@ fn a_victim_that_deregistered_just_before_the_fault_is_still_hit() {
             .unwrap();
         assert_eq!(r, Response::Ok);
     }
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     e.wait_for("requeue of the early-exited victim", |e| {
         e.scontrol_log().contains("requeue 21")
     });
@@ -758,13 +728,7 @@ fn a_job_spanning_both_gpus_is_hit_as_a_whole_and_gpu1_keeps_serving() {
     e.register(31, t0.id(), &[0], Mode::Requeue, true);
     e.register(31, t1.id(), &[1], Mode::Requeue, true);
     e.register(32, other1.id(), &[1], Mode::Requeue, true);
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     assert_eq!(
         exit_code(&mut t0, Duration::from_secs(5)),
         Some(1),
@@ -879,17 +843,7 @@ fn a_fault_hits_only_the_jobs_of_its_domain() {
     );
 
     // A fault in A's server: A alone dies, A alone is requeued, named the culprit.
-    let r = e
-        .call(&Request::SimInject {
-            gpu: 0,
-            xid: 31,
-            culprit: None,
-            slot: Some(a.domain.slot),
-        })
-        .unwrap();
-    let Response::Injected { killed, .. } = r else {
-        panic!("{r:?}")
-    };
+    let killed = e.inject(0, 31, None, Some(a.domain.slot));
     assert_eq!(
         killed,
         vec![a.proc.id()],
@@ -929,13 +883,7 @@ fn a_fault_hits_only_the_jobs_of_its_domain() {
 
     // A fault in the shared server: C and D, not B.
     std::thread::sleep(Duration::from_millis(600)); // outside the correlation window
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: Some(0),
-    })
-    .unwrap();
+    e.inject(0, 43, None, Some(0));
     e.wait_for("requeue of C and D", |e| {
         let l = e.scontrol_log();
         l.contains("requeue 33") && l.contains("requeue 34")
@@ -998,13 +946,7 @@ fn a_fault_no_log_shows_is_found_by_asking_each_server() {
     let e = Env::new("mps_logs = false\n");
     let c = e.client(0, 30.0, false);
     e.register(41, c.id(), &[0], Mode::Requeue, true);
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 41"));
     let f = &e.events()[0];
     assert!(f.sources.contains(&"mps_status".to_string()), "{f}");
@@ -1032,13 +974,7 @@ fn an_app_fault_no_registered_domain_shows_hits_nobody() {
         })
         .unwrap();
     assert_eq!(r, Response::Ok);
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 31,
-        culprit: None,
-        slot: Some(left.domain.slot),
-    })
-    .unwrap();
+    e.inject(0, 31, None, Some(left.domain.slot));
     e.wait_for("the no-domain outcome", |e| {
         e.events().iter().any(|f| {
             f.outcome
@@ -1081,13 +1017,7 @@ fn an_idle_hit_client_is_ended_so_its_server_recovers() {
     let mut idle = e.client(0, 60.0, true);
     e.register(81, idle.id(), &[0], Mode::Requeue, true);
     let mut stranger = e.client(0, 60.0, true);
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     e.wait_for("the blocker reported", |e| {
         e.events().first().is_some_and(|f| {
             f.outcome
@@ -1155,13 +1085,7 @@ fn the_owner_reads_a_finished_jobs_report_naming_no_other_job() {
         e.call(&Request::Register(r92)).unwrap(),
         Response::Registered { .. }
     ));
-    e.call(&Request::SimInject {
-        gpu: 0,
-        xid: 43,
-        culprit: None,
-        slot: None,
-    })
-    .unwrap();
+    e.inject(0, 43, None, None);
     e.wait_for("both requeued", |e| {
         let l = e.scontrol_log();
         l.contains("requeue 91") && l.contains("requeue 92")
@@ -1328,17 +1252,7 @@ fn user_isolation_shares_a_server_between_a_users_jobs_only() {
     assert_eq!(a1.domain, a2.domain, "one server per user");
     assert!(!a1.domain.is_shared() && a1.domain != b.domain && !b.domain.is_shared());
     assert!(s.domain.is_shared());
-    let r = e
-        .call(&Request::SimInject {
-            gpu: 0,
-            xid: 43,
-            culprit: None,
-            slot: Some(a1.domain.slot),
-        })
-        .unwrap();
-    let Response::Injected { mut killed, .. } = r else {
-        panic!("{r:?}")
-    };
+    let mut killed = e.inject(0, 43, None, Some(a1.domain.slot));
     killed.sort();
     let mut want = vec![a1.proc.id(), a2.proc.id()];
     want.sort();
