@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing mps-resilient needs on Debian/Ubuntu: Slurm (slurmctld, slurmd,
-# client tools, headers for the SPANK plugin), munge, and clang/libclang for bindgen. Needs root
+# client tools, headers for the SPANK plugin), munge, clang/libclang for bindgen, and promtool. Needs root
 # (uses sudo when not root). A Rust toolchain (cargo) must already be installed (https://rustup.rs).
 set -euo pipefail
 PKGS=(slurmctld slurmd slurm-client munge libslurm-dev clang libclang-dev)
@@ -13,6 +13,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "install-deps: installing ${missing[*]}"
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# promtool (package prometheus) lints the agent's /metrics in the tests; only the tool is wanted.
+if ! command -v promtool >/dev/null; then
+  SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  echo "install-deps: installing prometheus (for promtool)"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 if ! command -v cargo >/dev/null; then
   echo "install-deps: cargo not found; install Rust with rustup (https://rustup.rs) and run again" >&2

@@ -41,6 +41,7 @@ pub struct Agent {
     pub(crate) log_tails: Mutex<BTreeMap<DomainId, Arc<AtomicBool>>>,
     pub started: Instant,
     pub keepers: Arc<crate::keeper::Keepers>,
+    pub telemetry: crate::telemetry::Telemetry,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,6 +143,7 @@ impl Agent {
             log_tails: Mutex::new(BTreeMap::new()),
             started: Instant::now(),
             keepers,
+            telemetry: crate::telemetry::Telemetry::default(),
             cfg,
         });
         // Write once now so a recovered-and-reconciled state is durable before we serve.
@@ -193,6 +195,33 @@ impl Agent {
         spawn("domains", Box::new(move || a.domain_loop()))?;
         let a = self.clone();
         spawn("keepers", Box::new(move || a.keeper_loop()))?;
+        if self.cfg.telemetry.enabled {
+            // Validated at config load; an error here would be a bug, so it falls back to the table.
+            let rules = self
+                .cfg
+                .telemetry
+                .rules()
+                .unwrap_or_else(|_| mpsr_telemetry::RULES.to_vec());
+            let mut det = mpsr_telemetry::Detector::new(rules);
+            det.restore(self.state().d.active_findings.clone());
+            let source = self.backend.telemetry_source();
+            let a = self.clone();
+            spawn("telemetry", Box::new(move || a.telemetry_loop(source, det)))?;
+        }
+        if !self.cfg.telemetry.listen.is_empty() {
+            match tiny_http::Server::http(self.cfg.telemetry.listen.as_str()) {
+                Ok(server) => {
+                    let a = self.clone();
+                    spawn("http", Box::new(move || crate::http::serve(a, server)))?;
+                }
+                // Metrics are not worth failing the fault handling for: say so and go on.
+                Err(e) => tracing::error!(
+                    listen = %self.cfg.telemetry.listen,
+                    error = %e,
+                    "telemetry HTTP not started"
+                ),
+            }
+        }
         Ok(())
     }
 

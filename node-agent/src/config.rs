@@ -51,6 +51,53 @@ pub struct Config {
     pub faults: FaultConfig,
     pub sim: SimConfig,
     pub keeper: KeeperConfig,
+    pub telemetry: TelemetryConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// Sample GPUs, MPS clients and NICs in the agent's telemetry thread and run the pathology rules.
+    pub enabled: bool,
+    /// One round every this many ms (cheap getters, process lists, per-process utilization).
+    pub interval_ms: u64,
+    /// Every this many rounds, also the expensive counters (energy, violation times, PCIe replays,
+    /// field values, link state).
+    pub slow_every: u32,
+    /// `/metrics` and `/v1/jobs/<id>` over HTTP, e.g. "127.0.0.1:9410"; empty = off.
+    pub listen: String,
+    /// Hardware findings make the node unhealthy (the health check drains it with an mpsr: reason).
+    pub drain_on_hardware: bool,
+    /// Read NIC port counters under `sysfs`.
+    pub nic: bool,
+    pub sysfs: PathBuf,
+    /// Findings kept for events and job reports.
+    pub findings_kept: usize,
+    /// Per-rule changes: `[telemetry.rules.<name>]` enabled, raise, clear, window_s, clear_s.
+    pub rules: BTreeMap<String, mpsr_telemetry::rules::Tuning>,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            enabled: true,
+            interval_ms: 5_000,
+            slow_every: 12,
+            listen: String::new(),
+            drain_on_hardware: true,
+            nic: true,
+            sysfs: "/sys".into(),
+            findings_kept: 1_000,
+            rules: BTreeMap::new(),
+        }
+    }
+}
+
+impl TelemetryConfig {
+    /// The rule table with this config's changes.
+    pub fn rules(&self) -> Result<Vec<mpsr_telemetry::Rule>, mpsr_telemetry::rules::TuningError> {
+        mpsr_telemetry::rules::tuned(self.rules.iter().map(|(k, v)| (k.as_str(), v)))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -159,6 +206,7 @@ impl Default for Config {
             faults: FaultConfig::default(),
             sim: SimConfig::default(),
             keeper: KeeperConfig::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -285,6 +333,33 @@ impl Config {
             key: key.to_string(),
             message,
         };
+        if let Err(e) = self.telemetry.rules() {
+            return Err(bad("telemetry.rules", e.to_string()));
+        }
+        if self.telemetry.interval_ms < 100 {
+            return Err(bad(
+                "telemetry.interval_ms",
+                format!("{} is below 100", self.telemetry.interval_ms),
+            ));
+        }
+        if self.telemetry.slow_every == 0 {
+            return Err(bad("telemetry.slow_every", "must be at least 1".into()));
+        }
+        if !self.telemetry.listen.is_empty()
+            && self
+                .telemetry
+                .listen
+                .parse::<std::net::SocketAddr>()
+                .is_err()
+        {
+            return Err(bad(
+                "telemetry.listen",
+                format!(
+                    "'{}' is not an address:port like 127.0.0.1:9410",
+                    self.telemetry.listen
+                ),
+            ));
+        }
         if !(1..=100).contains(&self.mps.default_thread_pct) {
             return Err(bad(
                 "mps.default_thread_pct",
@@ -473,6 +548,37 @@ mod tests {
         assert_eq!(c.slurm.max_attempts, d.slurm.max_attempts);
         assert_eq!(c.mps.policy(), d.mps.policy());
         assert_eq!(c.mps.domain_linger_s, d.mps.domain_linger_s);
+        assert_eq!(c.telemetry.interval_ms, d.telemetry.interval_ms);
+        assert_eq!(c.telemetry.slow_every, d.telemetry.slow_every);
+        assert_eq!(c.telemetry.listen, d.telemetry.listen);
+        assert_eq!(c.telemetry.drain_on_hardware, d.telemetry.drain_on_hardware);
+    }
+
+    #[test]
+    fn telemetry_keys_are_checked() {
+        let e = parse("[telemetry.rules.stragler]\nwindow_s = 1.0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("telemetry.rules") && e.contains("stragler"),
+            "{e}"
+        );
+        let e = parse("[telemetry.rules.near_oom]\nraise = 0.8\nclear = 0.9\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("near_oom") && e.contains("clear"), "{e}");
+        let e = parse("[telemetry.rules.straggler]\nwindow = 1.0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("window"), "{e}");
+        let e = parse("[telemetry]\nlisten = \"localhost\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("telemetry.listen"), "{e}");
+        let e = parse("[telemetry]\ninterval_ms = 5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("telemetry.interval_ms"), "{e}");
     }
 
     #[test]

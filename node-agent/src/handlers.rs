@@ -81,7 +81,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let owner = st.d.owner_of(job_id);
             st.d.registry.remove_job(job_id);
             st.d.resume.remove_job(job_id);
-            let rep = job_report(&st.history, &st.d.outcomes, job_id);
+            let rep = job_report(&st.history, &st.d.outcomes, &st.d.pathologies, job_id);
             if let Some(uid) = owner {
                 crate::state::archive_report(&mut st.d, uid, rep.clone());
             }
@@ -107,6 +107,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 None => [job_id].into(),
             };
             rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
+            rep.pathologies = redact_pathologies(&rep.pathologies, &own);
             Response::JobReport(rep)
         }
         Request::Status => status(agent, peer, trusted),
@@ -134,7 +135,58 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 let drop_n = (events.len() / 10).max(1);
                 events.drain(..drop_n);
             }
-            Response::Events { events }
+            let n = limit.clamp(1, 10_000) as usize;
+            let mut pathologies: Vec<mpsr_proto::PathologyRecord> = if trusted {
+                st.d.pathologies.iter().rev().take(n).cloned().collect()
+            } else {
+                let all: Vec<_> = st.d.pathologies.iter().rev().take(n).cloned().collect();
+                redact_pathologies(&all, &own)
+            };
+            pathologies.reverse();
+            while pathologies.len() > 1
+                && serde_json::to_vec(&pathologies).map_or(0, |b| b.len())
+                    > (mpsr_proto::MAX_FRAME - 1024) / 2
+            {
+                let drop_n = (pathologies.len() / 10).max(1);
+                pathologies.drain(..drop_n);
+            }
+            Response::Events {
+                events,
+                pathologies,
+            }
+        }
+        Request::Telemetry => {
+            let mut snapshot = crate::agent::lock(&agent.telemetry.exporter.0).clone();
+            if !trusted {
+                let own = agent.state().d.jobs_of(peer.uid);
+                snapshot
+                    .tick
+                    .clients
+                    .retain(|c| c.owner.is_some_and(|o| own.contains(&o.job)));
+                snapshot.findings = snapshot
+                    .findings
+                    .iter()
+                    .filter_map(|f| crate::telemetry::redact(f, &own))
+                    .collect();
+            }
+            Response::Telemetry(Box::new(mpsr_proto::TelemetryReply {
+                enabled: agent.cfg.telemetry.enabled,
+                snapshot,
+            }))
+        }
+        Request::SimPathology {
+            gpu,
+            what,
+            pid,
+            secs,
+        } => {
+            if !trusted {
+                return denied("pathology injection is for root only");
+            }
+            match agent.backend.sim_pathology(what, gpu, pid, secs) {
+                Ok(()) => Response::Ok,
+                Err(e) => Response::error(ErrorCode::Unsupported, e.to_string()),
+            }
         }
         Request::JobReport { job_id } => {
             let st = agent.state();
@@ -144,10 +196,11 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                     peer.uid
                 ));
             }
-            let mut rep = job_report(&st.history, &st.d.outcomes, job_id);
+            let mut rep = job_report(&st.history, &st.d.outcomes, &st.d.pathologies, job_id);
             if !trusted {
                 let own = st.d.jobs_of(peer.uid);
                 rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
+                rep.pathologies = redact_pathologies(&rep.pathologies, &own);
             }
             Response::JobReport(rep)
         }
@@ -554,13 +607,10 @@ fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
 }
 
 fn health(agent: &Agent) -> Response {
-    let reasons: Vec<String> = agent
-        .state()
-        .d
-        .unhealthy
-        .values()
-        .map(|(_, r)| r.clone())
-        .collect();
+    let st = agent.state();
+    let mut reasons: Vec<String> = st.d.unhealthy.values().map(|(_, r)| r.clone()).collect();
+    reasons.extend(agent.telemetry_reasons(&st.d.active_findings));
+    drop(st);
     Response::Health(HealthReply {
         node: agent.node.clone(),
         healthy: reasons.is_empty(),
@@ -588,9 +638,24 @@ fn redact(r: &DecisionRecord, own: &std::collections::BTreeSet<u32>) -> Option<D
     Some(r)
 }
 
+fn redact_pathologies(
+    all: &[mpsr_proto::PathologyRecord],
+    own: &std::collections::BTreeSet<u32>,
+) -> Vec<mpsr_proto::PathologyRecord> {
+    all.iter()
+        .filter_map(|p| {
+            Some(mpsr_proto::PathologyRecord {
+                at_ms: p.at_ms,
+                finding: crate::telemetry::redact(&p.finding, own)?,
+            })
+        })
+        .collect()
+}
+
 fn job_report(
     history: &std::collections::VecDeque<DecisionRecord>,
     outcomes: &std::collections::BTreeMap<u32, Vec<String>>,
+    pathologies: &std::collections::VecDeque<mpsr_proto::PathologyRecord>,
     job_id: u32,
 ) -> JobReport {
     JobReport {
@@ -601,5 +666,10 @@ fn job_report(
             .cloned()
             .collect(),
         actions: outcomes.get(&job_id).cloned().unwrap_or_default(),
+        pathologies: pathologies
+            .iter()
+            .filter(|p| p.finding.jobs().contains(&job_id))
+            .cloned()
+            .collect(),
     }
 }

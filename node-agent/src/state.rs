@@ -113,6 +113,13 @@ pub struct Durable {
     /// kept GPU state waits for the next run.
     #[serde(default)]
     pub requeued: BTreeMap<u32, u64>,
+    /// Pathology findings (raised and cleared), most recent last.
+    #[serde(default)]
+    pub pathologies: VecDeque<mpsr_proto::PathologyRecord>,
+    /// Findings active when last saved: the detector resumes them after a restart, so a node
+    /// drained for one is not resumed by the restart alone.
+    #[serde(default)]
+    pub active_findings: Vec<mpsr_telemetry::Finding>,
 }
 
 impl Durable {

@@ -241,6 +241,17 @@ pub enum Request {
     ClearGpu {
         gpu: u32,
     },
+    /// The latest telemetry round and active pathology findings (a user sees only the clients
+    /// and findings of their own jobs).
+    Telemetry,
+    /// Inject a simulated pathology into the simulated telemetry (sim backend, trusted only).
+    SimPathology {
+        gpu: u32,
+        what: mpsr_telemetry::replay::Pathology,
+        #[serde(default)]
+        pid: Option<u32>,
+        secs: u32,
+    },
     /// End one MPS client of a GPU's server (`terminate_client`; trusted callers only).
     TerminateClient {
         gpu: u32,
@@ -415,12 +426,56 @@ impl std::fmt::Display for DecisionRecord {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobReport {
     pub job_id: u32,
     pub faults: Vec<DecisionRecord>,
     /// Outcome of each Slurm action for this job ("requeue: done", ...).
     pub actions: Vec<String>,
+    /// Pathology findings (raised and cleared) that concern this job.
+    #[serde(default)]
+    pub pathologies: Vec<PathologyRecord>,
+}
+
+/// A pathology finding as the agent logged it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PathologyRecord {
+    /// Wall clock, ms since the epoch.
+    pub at_ms: u64,
+    pub finding: mpsr_telemetry::Finding,
+}
+
+impl std::fmt::Display for PathologyRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let x = &self.finding;
+        let what = match x.state {
+            mpsr_telemetry::FindingState::Raised => "raised",
+            mpsr_telemetry::FindingState::Cleared => "cleared",
+        };
+        write!(f, "{} {what} {:?}", x.rule.name(), x.severity)?;
+        if let Some(g) = x.gpu {
+            write!(f, " gpu{g}")?;
+        }
+        if let Some(o) = x.owner {
+            write!(f, " job {} (task pid {})", o.job, o.task)?;
+        }
+        if let mpsr_telemetry::Subject::Client { pid, .. } = x.subject {
+            write!(f, " pid {pid}")?;
+        }
+        if !x.others.is_empty() {
+            let o: Vec<String> = x.others.iter().map(|o| o.job.to_string()).collect();
+            write!(f, " others: jobs {}", o.join(","))?;
+        }
+        write!(f, ": {}", x.detail)
+    }
+}
+
+/// The telemetry as `mpsrctl top` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TelemetryReply {
+    /// False when telemetry is off in the agent's config.
+    pub enabled: bool,
+    pub snapshot: mpsr_telemetry::Snapshot,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -476,8 +531,12 @@ pub enum Response {
     Status(StatusReply),
     Events {
         events: Vec<DecisionRecord>,
+        /// Pathology findings, most recent last.
+        #[serde(default)]
+        pathologies: Vec<PathologyRecord>,
     },
     JobReport(JobReport),
+    Telemetry(Box<TelemetryReply>),
     Resume {
         verdict: ResumeVerdict,
         reason: String,

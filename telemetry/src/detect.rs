@@ -160,6 +160,17 @@ impl Detector {
         &self.rules
     }
 
+    /// Resumes findings that were active before a restart: they clear by the rules' hysteresis,
+    /// not by the restart (a node drained for one stays drained until the condition is gone).
+    pub fn restore(&mut self, active: Vec<Finding>) {
+        for f in active {
+            if self.rules.iter().any(|r| r.id == f.rule) {
+                let st = self.states.entry((f.rule, f.subject.clone())).or_default();
+                st.active = Some(f);
+            }
+        }
+    }
+
     /// The findings raised and not cleared, with their latest values.
     pub fn active(&self) -> Vec<Finding> {
         self.states
@@ -285,8 +296,9 @@ impl Detector {
                     let v = f(s);
                     let detail = match rule.id {
                         RuleId::HwSlowdown => format!(
-                            "clock events {:?}, SM {} MHz",
-                            s.clock_events.map(crate::sample::clock_event::names),
+                            "clock events {}, SM {} MHz",
+                            crate::sample::clock_event::names(s.clock_events.unwrap_or(0))
+                                .join(","),
                             s.sm_clock_mhz.unwrap_or(0)
                         ),
                         _ => format!("{} = {:.2}", rule.name, v.unwrap_or(f64::NAN)),
@@ -461,7 +473,7 @@ impl Detector {
                         owner,
                         others: owners_on(tick, s.gpu, owner.map(|o| o.job)),
                         detail: format!(
-                            "{:.1} of {:.1} GiB used; most by pid {}",
+                            "{:.1} of {:.1} GiB used, most by pid {}",
                             rules::gib(s.mem_used_bytes.unwrap_or(0)),
                             rules::gib(s.mem_total_bytes.unwrap_or(0)),
                             top.map(|c| c.pid).unwrap_or(0)

@@ -5,14 +5,17 @@
 //! by the simulator and the tests). Nothing here touches the fault path.
 
 pub mod detect;
+#[cfg(feature = "prometheus")]
 pub mod metrics;
 pub mod nic;
+#[cfg(feature = "nvml")]
 pub mod nvml;
 pub mod replay;
 pub mod rules;
 pub mod sample;
+pub mod skew;
 pub mod source;
 
 pub use detect::{Detector, Finding, FindingState, Subject};
 pub use rules::{Rule, RuleId, Severity, RULES};
-pub use sample::{ClientSample, GpuReading, GpuSample, NicSample, Owner, Tick};
+pub use sample::{ClientSample, GpuReading, GpuSample, NicSample, Owner, Snapshot, Tick};

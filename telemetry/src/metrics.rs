@@ -3,30 +3,16 @@
 //! join the two; job labels go on per-client and per-job series only (dcgm-exporter copies a
 //! device value onto every job of a shared GPU, which says nothing about each job).
 
-use crate::detect::{Finding, Subject};
-use crate::sample::{clock_event, GpuReading, Tick};
+use crate::detect::Subject;
+use crate::sample::{clock_event, GpuReading, Snapshot};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-
-/// What one scrape shows.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Snapshot {
-    pub node: String,
-    pub simulated: bool,
-    pub tick: Tick,
-    /// Findings active now.
-    pub findings: Vec<Finding>,
-    pub rounds: u64,
-    /// CPU time the sampling thread has used.
-    pub cpu_seconds: f64,
-}
 
 type Labels = Vec<(String, String)>;
 
@@ -509,7 +495,7 @@ pub fn render(exporter: &Exporter) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sample::{ClientSample, GpuSample, Owner};
+    use crate::sample::{ClientSample, GpuSample, Owner, Tick};
 
     #[test]
     fn renders_gpu_client_and_job_series_with_dcgm_label_names() {

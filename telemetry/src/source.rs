@@ -34,7 +34,13 @@ pub const SIM_CLIENT_UTIL: f64 = 0.85;
 pub const SIM_CLIENT_MEM: u64 = 8 << 30;
 
 impl SimSource {
-    pub fn new(gpus: u32, seed: u64, injections: Arc<Mutex<Vec<Injection>>>) -> SimSource {
+    /// `started` is the clock injections are given in (seconds since it).
+    pub fn new(
+        gpus: u32,
+        seed: u64,
+        started: std::time::Instant,
+        injections: Arc<Mutex<Vec<Injection>>>,
+    ) -> SimSource {
         SimSource {
             scenario: Scenario {
                 seed,
@@ -45,12 +51,12 @@ impl SimSource {
                 per_client_util: true,
             },
             injections,
-            started: std::time::Instant::now(),
+            started,
             round: 0,
         }
     }
 
-    /// Seconds since the source started: the clock injections are given in.
+    /// Seconds on the injections' clock.
     pub fn now(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
     }

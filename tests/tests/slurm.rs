@@ -480,7 +480,7 @@ fn a_fault_requeues_only_the_jobs_of_its_fault_domain() {
         "C and D's processes untouched"
     );
     let ev = match c.agent_call("n1", &Request::Events { limit: 10 }).unwrap() {
-        Response::Events { events } => events,
+        Response::Events { events, .. } => events,
         r => panic!("{r:?}"),
     };
     let f = ev

@@ -72,6 +72,18 @@ pub trait GpuBackend: Send + Sync {
     fn sim_recover(&self, _gpu: u32) -> Result<(), BackendError> {
         Err(BackendError::Unsupported("GPU recovery"))
     }
+    /// The telemetry source for these GPUs (owned by the agent's telemetry thread).
+    fn telemetry_source(&self) -> Box<dyn mpsr_telemetry::source::Source>;
+    /// Inject a simulated pathology into the simulated telemetry for `secs` from now.
+    fn sim_pathology(
+        &self,
+        _what: mpsr_telemetry::replay::Pathology,
+        _gpu: u32,
+        _pid: Option<u32>,
+        _secs: u32,
+    ) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("pathology injection"))
+    }
 
     fn gpu_by_pci(&self, pci: PciAddr) -> Option<u32> {
         self.gpus().iter().find(|g| g.pci == pci).map(|g| g.index)

@@ -213,6 +213,15 @@ impl GpuBackend for NvmlBackend {
     fn name(&self) -> &'static str {
         "nvml"
     }
+    fn telemetry_source(&self) -> Box<dyn mpsr_telemetry::source::Source> {
+        Box::new(mpsr_telemetry::nvml::NvmlSource::new(
+            self.nvml,
+            self.gpus
+                .iter()
+                .map(|g| (g.index, g.uuid.clone()))
+                .collect(),
+        ))
+    }
     fn simulated(&self) -> bool {
         false
     }

@@ -10,11 +10,13 @@ use crate::event::{GpuRef, Signal, Source};
 use crate::kmsg::{self, PciAddr};
 use mpsr_proto::{DomainId, ServerState};
 use mpsr_simgpu::{SimEvent, SimReply, SimRequest};
+use mpsr_telemetry::replay::{Injection, Pathology};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
@@ -26,6 +28,9 @@ pub struct SimBackend {
     recovery_ms: u64,
     /// Stop the daemon when the agent stops (tests); by default it stays, like MPS daemons.
     quit_on_shutdown: bool,
+    /// SIMULATED telemetry: its clock and the pathologies injected into it.
+    telemetry_started: Instant,
+    injections: Arc<Mutex<Vec<Injection>>>,
 }
 
 impl SimBackend {
@@ -53,6 +58,8 @@ impl SimBackend {
             isolation,
             recovery_ms,
             quit_on_shutdown,
+            telemetry_started: Instant::now(),
+            injections: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -256,5 +263,35 @@ impl GpuBackend for SimBackend {
 
     fn sim_recover(&self, gpu: u32) -> Result<(), BackendError> {
         self.call(&SimRequest::Recover { gpu }).map(|_| ())
+    }
+    fn telemetry_source(&self) -> Box<dyn mpsr_telemetry::source::Source> {
+        Box::new(mpsr_telemetry::source::SimSource::new(
+            self.gpus.len() as u32,
+            0x6d70_7372,
+            self.telemetry_started,
+            self.injections.clone(),
+        ))
+    }
+    fn sim_pathology(
+        &self,
+        what: Pathology,
+        gpu: u32,
+        pid: Option<u32>,
+        secs: u32,
+    ) -> Result<(), BackendError> {
+        if gpu as usize >= self.gpus.len() {
+            return Err(BackendError::NoSuchGpu(gpu));
+        }
+        let now = self.telemetry_started.elapsed().as_secs_f64();
+        let mut inj = self.injections.lock().unwrap_or_else(|p| p.into_inner());
+        inj.retain(|i| i.end_s > now);
+        inj.push(Injection {
+            what,
+            gpu,
+            pid,
+            start_s: now,
+            end_s: now + secs as f64,
+        });
+        Ok(())
     }
 }

@@ -205,7 +205,9 @@ fn run() -> mpsr_e2e::Result<bool> {
     }
 
     println!("\n=== the agent's decision (mpsrctl events) ===");
-    if let Response::Events { events } = c.agent_call("node1", &Request::Events { limit: 10 })? {
+    if let Response::Events { events, .. } =
+        c.agent_call("node1", &Request::Events { limit: 10 })?
+    {
         for e in &events {
             println!("{e}");
         }

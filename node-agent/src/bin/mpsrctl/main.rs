@@ -1,5 +1,8 @@
 //! mpsrctl: talk to the node agent.
 
+mod skew;
+mod top;
+
 use clap::{Parser, Subcommand};
 use mpsr_proto::{Client, Isolation, Mode, Registration, Request, Response};
 use std::path::PathBuf;
@@ -89,6 +92,28 @@ enum Cmd {
     /// A job ended on this node: print its fault report (the epilog calls this; root only).
     /// Exit status 0: the job was hit by no fault; 4: it was hit (the report says by what).
     JobEnd { job_id: u32 },
+    /// Live telemetry: GPUs, MPS clients with their jobs, active pathology findings.
+    Top {
+        /// Print once and exit.
+        #[arg(long)]
+        once: bool,
+        #[arg(long, default_value_t = 2)]
+        interval_s: u64,
+        /// Stop after this many screens (0 = until interrupted).
+        #[arg(long, default_value_t = 0)]
+        count: u32,
+    },
+    /// Compare a job's ranks across all its nodes (each node's agent at telemetry.listen).
+    /// Exit status 1 when a rank is a straggler.
+    JobSkew {
+        job_id: u32,
+        /// Nodes to ask (default: the job's nodes from scontrol).
+        #[arg(long, value_delimiter = ',')]
+        nodes: Vec<String>,
+        /// The agents' telemetry port (telemetry.listen).
+        #[arg(long, default_value_t = 9410)]
+        port: u16,
+    },
     /// Simulated GPUs only.
     Sim {
         #[command(subcommand)]
@@ -115,6 +140,19 @@ enum SimCmd {
         #[arg(long)]
         gpu: u32,
     },
+    /// Inject a pathology into the simulated telemetry for a while.
+    Pathology {
+        #[arg(long)]
+        gpu: u32,
+        /// throttle, thermal, ecc_storm, straggler, hog, near_oom, ... (see mpsr-telemetry replay)
+        #[arg(long)]
+        what: String,
+        /// The client it applies to (per-client pathologies).
+        #[arg(long)]
+        pid: Option<u32>,
+        #[arg(long, default_value_t = 600)]
+        secs: u32,
+    },
 }
 
 /// `job-end`'s exit status for a job that was hit by a fault.
@@ -122,7 +160,45 @@ const HIT_EXIT: u8 = 4;
 
 fn main() -> std::process::ExitCode {
     let a = Args::parse();
+    let timeout = Duration::from_millis(a.timeout_ms);
+    match &a.cmd {
+        Cmd::Top {
+            once,
+            interval_s,
+            count,
+        } => return top(&a, *once, *interval_s, *count),
+        Cmd::JobSkew {
+            job_id,
+            nodes,
+            port,
+        } => return job_skew(&a, *job_id, nodes, *port, timeout),
+        _ => {}
+    }
     let req = match &a.cmd {
+        Cmd::Top { .. } | Cmd::JobSkew { .. } => unreachable!("handled above"),
+        Cmd::Sim {
+            cmd:
+                SimCmd::Pathology {
+                    gpu,
+                    what,
+                    pid,
+                    secs,
+                },
+        } => {
+            let what = match serde_json::from_value(serde_json::Value::String(what.clone())) {
+                Ok(w) => w,
+                Err(e) => {
+                    eprintln!("mpsrctl: unknown pathology '{what}': {e}");
+                    return 2.into();
+                }
+            };
+            Request::SimPathology {
+                gpu: *gpu,
+                what,
+                pid: *pid,
+                secs: *secs,
+            }
+        }
         Cmd::Status => Request::Status,
         Cmd::Events { limit } => Request::Events { limit: *limit },
         Cmd::Report { job_id } => Request::JobReport { job_id: *job_id },
@@ -269,11 +345,18 @@ fn print_human(r: &Response) {
             }
             println!("  pending Slurm actions: {}", s.pending_actions);
         }
-        Response::Events { events } => {
+        Response::Events {
+            events,
+            pathologies,
+        } => {
             for e in events {
                 print_event(e);
             }
+            for p in pathologies {
+                println!("pathology {p}");
+            }
         }
+        Response::Telemetry(t) => print!("{}", top::render(t)),
         Response::JobReport(j) => {
             println!("job {}: hit by {} fault(s)", j.job_id, j.faults.len());
             for e in &j.faults {
@@ -281,6 +364,9 @@ fn print_human(r: &Response) {
             }
             for a in &j.actions {
                 println!("  {a}");
+            }
+            for p in &j.pathologies {
+                println!("  pathology {p}");
             }
         }
         Response::Health(h) => {
@@ -307,4 +393,81 @@ fn print_human(r: &Response) {
 
 fn print_event(e: &mpsr_proto::DecisionRecord) {
     println!("{e}");
+}
+
+fn top(a: &Args, once: bool, interval_s: u64, count: u32) -> std::process::ExitCode {
+    let client = Client::new(&a.socket, Duration::from_millis(a.timeout_ms));
+    let mut shown = 0;
+    loop {
+        match client.call(&Request::Telemetry) {
+            Ok(Response::Telemetry(t)) => {
+                if a.json {
+                    println!("{}", serde_json::to_string(&t).unwrap_or_default());
+                } else {
+                    if !once && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                        print!("\x1b[2J\x1b[H");
+                    }
+                    print!("{}", top::render(&t));
+                }
+            }
+            Ok(other) => {
+                print_human(&other);
+                return 1.into();
+            }
+            Err(e) => {
+                eprintln!("mpsrctl: {e}");
+                return 3.into();
+            }
+        }
+        shown += 1;
+        if once || (count > 0 && shown >= count) {
+            return 0.into();
+        }
+        std::thread::sleep(Duration::from_secs(interval_s.max(1)));
+    }
+}
+
+fn job_skew(
+    a: &Args,
+    job: u32,
+    nodes: &[String],
+    port: u16,
+    timeout: Duration,
+) -> std::process::ExitCode {
+    let nodes = if nodes.is_empty() {
+        match skew::nodes_of(job, timeout) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("mpsrctl: {e} (give --nodes)");
+                return 2.into();
+            }
+        }
+    } else {
+        nodes.to_vec()
+    };
+    let mut views = Vec::new();
+    let mut errors = Vec::new();
+    for n in &nodes {
+        match skew::fetch(n, port, job, timeout) {
+            Ok(v) => views.push(v),
+            Err(e) => errors.push(e),
+        }
+    }
+    let verdicts = skew::compare(&views);
+    if a.json {
+        let errs: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+        println!(
+            "{}",
+            serde_json::json!({"job": job, "ranks": verdicts, "errors": errs})
+        );
+    } else {
+        print!("{}", skew::render(job, &verdicts, &errors));
+    }
+    if verdicts.iter().any(|v| v.straggler) {
+        1.into()
+    } else if verdicts.is_empty() && !errors.is_empty() {
+        3.into()
+    } else {
+        0.into()
+    }
 }

@@ -1,0 +1,50 @@
+//! HTTP for telemetry (`telemetry.listen`, off by default): `GET /metrics` (Prometheus text) and
+//! `GET /v1/jobs/<id>` (a job's ranks here, JSON, for `mpsrctl job-skew` on another node). Read
+//! only; it shows job ids and uids to whoever reaches the address, like dcgm-exporter's job
+//! mapping: bind it to localhost or the cluster's management network.
+
+use crate::agent::{lock, Agent};
+use std::sync::Arc;
+use tiny_http::{Header, Method, Response, Server};
+
+pub fn serve(agent: Arc<Agent>, server: Server) {
+    for req in server.incoming_requests() {
+        let (status, ctype, body) = route(&agent, req.method(), req.url());
+        let header = Header::from_bytes("Content-Type", ctype).ok();
+        let mut resp = Response::from_string(body).with_status_code(status);
+        if let Some(h) = header {
+            resp = resp.with_header(h);
+        }
+        if let Err(e) = req.respond(resp) {
+            tracing::debug!(error = %e, "telemetry HTTP reply not sent");
+        }
+    }
+}
+
+fn route(agent: &Agent, method: &Method, url: &str) -> (u16, &'static str, String) {
+    const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+    const JSON: &str = "application/json";
+    if *method != Method::Get {
+        return (405, TEXT, "only GET\n".into());
+    }
+    let path = url.split('?').next().unwrap_or("");
+    if path == "/metrics" {
+        return (
+            200,
+            TEXT,
+            mpsr_telemetry::metrics::render(&agent.telemetry.exporter),
+        );
+    }
+    if let Some(id) = path.strip_prefix("/v1/jobs/") {
+        let Ok(job) = id.parse::<u32>() else {
+            return (400, TEXT, format!("'{id}' is not a job id\n"));
+        };
+        let snap = lock(&agent.telemetry.exporter.0).clone();
+        let view = mpsr_telemetry::skew::job_view(&snap, job);
+        return match serde_json::to_string(&view) {
+            Ok(s) => (200, JSON, s),
+            Err(e) => (500, TEXT, format!("{e}\n")),
+        };
+    }
+    (404, TEXT, "GET /metrics or /v1/jobs/<id>\n".into())
+}

@@ -1,0 +1,245 @@
+//! The telemetry thread: a round from the backend's source every `telemetry.interval_ms`, each
+//! client mapped to its job from the registry, the pathology rules run, findings logged (events,
+//! job reports, durable) and the latest round published for `/metrics` and `mpsrctl top`. It
+//! never takes part in the fault path: it only reads the state lock briefly.
+
+use crate::agent::{lock, Agent};
+use crate::registry::procfs;
+use mpsr_proto::PathologyRecord;
+use mpsr_telemetry::metrics::Exporter;
+use mpsr_telemetry::source::{Attached, Source};
+use mpsr_telemetry::{
+    ClientSample, Detector, Finding, FindingState, Owner, Severity, Snapshot, Tick,
+};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// What the telemetry thread publishes.
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    pub exporter: Exporter,
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID needs nothing else.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Agent {
+    /// Runs until the process ends.
+    pub(crate) fn telemetry_loop(self: Arc<Self>, mut source: Box<dyn Source>, mut det: Detector) {
+        let cfg = self.cfg.telemetry.clone();
+        let interval = Duration::from_millis(cfg.interval_ms);
+        let started = Instant::now();
+        let mut round: u64 = 0;
+        let mut nics = Vec::new();
+        loop {
+            let t0 = Instant::now();
+            let slow = round.is_multiple_of(cfg.slow_every as u64);
+            let attached = self.attached();
+            let (gpus, mut clients) = source.read(slow, &attached);
+            self.own(&mut clients, &attached);
+            if cfg.nic && slow {
+                nics = mpsr_telemetry::nic::read(&cfg.sysfs);
+            }
+            let tick = Tick {
+                t: started.elapsed().as_secs_f64(),
+                gpus,
+                clients,
+                nics: nics.clone(),
+            };
+            let changes = det.observe(&tick);
+            round += 1;
+            self.record(&changes, det.active());
+            *lock(&self.telemetry.exporter.0) = Snapshot {
+                node: self.node.clone(),
+                simulated: self.backend.simulated(),
+                tick,
+                findings: det.active(),
+                rounds: round,
+                cpu_seconds: thread_cpu_seconds(),
+            };
+            std::thread::sleep(interval.saturating_sub(t0.elapsed()));
+        }
+    }
+
+    /// The clients each domain's daemon reports, for a source that cannot see processes (the
+    /// simulator). NVML sees them itself.
+    fn attached(&self) -> Vec<Attached> {
+        if !self.backend.simulated() {
+            return Vec::new();
+        }
+        let domains: Vec<_> = {
+            let st = self.state();
+            self.backend
+                .gpus()
+                .iter()
+                .flat_map(|g| self.domains_of_gpu(&st, g.index))
+                .collect()
+        };
+        domains
+            .into_iter()
+            .flat_map(|d| {
+                self.backend
+                    .clients(d)
+                    .into_iter()
+                    .map(move |pid| Attached {
+                        gpu: d.gpu,
+                        slot: d.slot,
+                        pid,
+                        owner: None,
+                    })
+            })
+            .collect()
+    }
+
+    /// Fills each client's owner: the registered task it is, or runs under.
+    fn own(&self, clients: &mut [ClientSample], attached: &[Attached]) {
+        let ancestry: Vec<Vec<u32>> = clients.iter().map(|c| procfs::ancestry(c.pid)).collect();
+        let st = self.state();
+        for (c, anc) in clients.iter_mut().zip(ancestry) {
+            c.owner = anc
+                .iter()
+                .find_map(|p| st.d.registry.task_by_pid(*p))
+                .map(|t| Owner {
+                    job: t.job_id,
+                    step: t.step_id,
+                    task: t.pid,
+                    uid: t.uid,
+                });
+            if c.slot.is_none() {
+                c.slot = attached
+                    .iter()
+                    .find(|a| a.gpu == c.gpu && a.pid == c.pid)
+                    .map(|a| a.slot);
+            }
+        }
+    }
+
+    fn record(&self, changes: &[Finding], active: Vec<Finding>) {
+        if changes.is_empty() {
+            return;
+        }
+        for f in changes {
+            let rule = f.rule.name();
+            let job = f.owner.map(|o| o.job);
+            let raised = f.state == FindingState::Raised;
+            match (f.severity, raised) {
+                (Severity::Hardware, true) => {
+                    tracing::warn!(rule, gpu = f.gpu, value = f.value, detail = %f.detail, "pathology raised (hardware)")
+                }
+                (_, true) => {
+                    tracing::info!(rule, gpu = f.gpu, job, value = f.value, detail = %f.detail, "pathology raised")
+                }
+                (_, false) => tracing::info!(rule, gpu = f.gpu, job, "pathology cleared"),
+            }
+        }
+        let kept = self.cfg.telemetry.findings_kept.max(1);
+        let mut st = self.state();
+        for f in changes {
+            st.d.pathologies.push_back(PathologyRecord {
+                at_ms: now_ms(),
+                finding: f.clone(),
+            });
+        }
+        while st.d.pathologies.len() > kept {
+            st.d.pathologies.pop_front();
+        }
+        st.d.active_findings = active;
+        drop(st);
+        self.mark_dirty();
+    }
+
+    /// Reasons the node is unhealthy from telemetry (hardware findings), for the health check.
+    pub fn telemetry_reasons(&self, active: &[Finding]) -> Vec<String> {
+        if !self.cfg.telemetry.drain_on_hardware {
+            return Vec::new();
+        }
+        active
+            .iter()
+            .filter(|f| f.severity == Severity::Hardware)
+            .map(|f| {
+                let on = f.gpu.map_or(String::new(), |g| format!(" on gpu{g}"));
+                format!(
+                    "telemetry {}{on} of {}: {}",
+                    f.rule.name(),
+                    self.node,
+                    f.detail.replace(';', ",")
+                )
+            })
+            .collect()
+    }
+}
+
+/// A finding as a user may see it: only when it concerns one of their jobs, naming no other job
+/// or process (a hog of another job beside theirs shows as "a client on gpuN").
+pub fn redact(f: &Finding, own: &std::collections::BTreeSet<u32>) -> Option<Finding> {
+    if f.jobs().is_disjoint(own) {
+        return None;
+    }
+    let mut f = f.clone();
+    f.others.retain(|o| own.contains(&o.job));
+    if f.owner.is_some_and(|o| !own.contains(&o.job)) {
+        f.owner = None;
+        f.detail = String::new();
+        if let (mpsr_telemetry::Subject::Client { gpu, .. }, _) = (&f.subject, ()) {
+            f.subject = mpsr_telemetry::Subject::Gpu { gpu: *gpu };
+        }
+    }
+    Some(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mpsr_telemetry::{RuleId, Subject};
+
+    fn o(job: u32) -> Owner {
+        Owner {
+            job,
+            step: 0,
+            task: job * 10,
+            uid: job,
+        }
+    }
+
+    #[test]
+    fn a_user_sees_a_hog_beside_their_job_but_not_whose_it_is() {
+        let f = Finding {
+            rule: RuleId::MpsHog,
+            severity: Severity::Advisory,
+            state: FindingState::Raised,
+            subject: Subject::Client { gpu: 2, pid: 777 },
+            gpu: Some(2),
+            owner: Some(o(12)),
+            others: vec![o(11), o(13)],
+            value: 0.97,
+            threshold: 0.9,
+            t: 1.0,
+            detail: "pid 777 takes 97 %".into(),
+        };
+        let mine = redact(&f, &[11].into()).unwrap();
+        assert_eq!(mine.owner, None);
+        assert_eq!(mine.others, vec![o(11)]);
+        assert_eq!(mine.subject, Subject::Gpu { gpu: 2 });
+        assert!(mine.detail.is_empty());
+        assert_eq!(redact(&f, &[12].into()).unwrap().owner, Some(o(12)));
+        assert_eq!(redact(&f, &[12].into()).unwrap().others, vec![]);
+        assert!(redact(&f, &[99].into()).is_none());
+    }
+}
