@@ -113,21 +113,23 @@ impl Agent {
         let ancestry: Vec<Vec<u32>> = clients.iter().map(|c| procfs::ancestry(c.pid)).collect();
         let st = self.state();
         for (c, anc) in clients.iter_mut().zip(ancestry) {
-            c.owner = anc
-                .iter()
-                .find_map(|p| st.d.registry.task_by_pid(*p))
-                .map(|t| Owner {
-                    job: t.job_id,
-                    step: t.step_id,
-                    task: t.pid,
-                    uid: t.uid,
-                });
-            if c.slot.is_none() {
-                c.slot = attached
-                    .iter()
-                    .find(|a| a.gpu == c.gpu && a.pid == c.pid)
-                    .map(|a| a.slot);
-            }
+            let task = anc.iter().find_map(|p| st.d.registry.task_by_pid(*p));
+            c.owner = task.map(|t| Owner {
+                job: t.job_id,
+                step: t.step_id,
+                task: t.pid,
+                uid: t.uid,
+            });
+            // The server it is a client of: the daemon's list (sim), else its task's domain.
+            c.slot = c
+                .slot
+                .or_else(|| {
+                    attached
+                        .iter()
+                        .find(|a| a.gpu == c.gpu && a.pid == c.pid)
+                        .map(|a| a.slot)
+                })
+                .or_else(|| task.and_then(|t| t.domain_on(c.gpu)).map(|d| d.slot));
         }
     }
 
@@ -197,8 +199,8 @@ pub fn redact(f: &Finding, own: &std::collections::BTreeSet<u32>) -> Option<Find
     if f.owner.is_some_and(|o| !own.contains(&o.job)) {
         f.owner = None;
         f.detail = String::new();
-        if let (mpsr_telemetry::Subject::Client { gpu, .. }, _) = (&f.subject, ()) {
-            f.subject = mpsr_telemetry::Subject::Gpu { gpu: *gpu };
+        if let mpsr_telemetry::Subject::Client { gpu, .. } = f.subject {
+            f.subject = mpsr_telemetry::Subject::Gpu { gpu };
         }
     }
     Some(f)

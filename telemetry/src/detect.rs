@@ -11,10 +11,24 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Subject {
-    Gpu { gpu: u32 },
-    Client { gpu: u32, pid: u32 },
-    Job { job: u32 },
-    Nic { port: String },
+    Gpu {
+        gpu: u32,
+    },
+    Client {
+        gpu: u32,
+        pid: u32,
+    },
+    Job {
+        job: u32,
+    },
+    /// One MPS server (fault domain slot) on a GPU.
+    Server {
+        gpu: u32,
+        slot: u32,
+    },
+    Nic {
+        port: String,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -252,9 +266,15 @@ impl Detector {
             .iter()
             .filter_map(|c| c.owner.map(|o| o.job))
             .collect();
+        let servers: BTreeSet<(u32, u32)> = tick
+            .clients
+            .iter()
+            .filter_map(|c| Some((c.gpu, c.slot?)))
+            .collect();
         let gone = |s: &Subject| match s {
             Subject::Client { gpu, pid } => !pids.contains(&(*gpu, *pid)),
             Subject::Job { job } => !jobs.contains(job),
+            Subject::Server { gpu, slot } => !servers.contains(&(*gpu, *slot)),
             _ => false,
         };
         let t = tick.t;
@@ -488,7 +508,7 @@ impl Detector {
                     let busy = tick
                         .gpu(c.gpu)
                         .and_then(|s| s.util)
-                        .is_some_and(|u| u >= 0.8);
+                        .is_some_and(|u| u >= 0.95);
                     let on: Vec<&ClientSample> =
                         tick.clients.iter().filter(|o| o.gpu == c.gpu).collect();
                     let job = c.owner.map(|o| o.job);
@@ -496,9 +516,12 @@ impl Detector {
                         .iter()
                         .any(|o| o.owner.is_some() && o.owner.map(|x| x.job) != job);
                     let total: f64 = on.iter().filter_map(|o| o.sm_util).sum();
+                    // No hog on a GPU that is not saturated or not shared: a clean value, so a
+                    // finding clears once the pressure is gone.
                     let v = match (busy && shared && total > 0.0, c.sm_util) {
                         (true, Some(u)) => Some(u / total),
-                        _ => None,
+                        (false, Some(_)) => Some(0.0),
+                        (_, None) => None,
                     };
                     Measured {
                         subject: Subject::Client {
@@ -517,6 +540,42 @@ impl Detector {
                     }
                 })
                 .collect(),
+            Measure::ServerSaturated => {
+                let mut servers: BTreeMap<(u32, u32), BTreeSet<Owner>> = BTreeMap::new();
+                for c in &tick.clients {
+                    if let (Some(slot), Some(o)) = (c.slot, c.owner) {
+                        servers.entry((c.gpu, slot)).or_default().insert(o);
+                    }
+                }
+                let keys: Vec<(u32, u32)> = servers.keys().copied().collect();
+                servers
+                    .iter()
+                    .map(|(&(gpu, slot), owners)| {
+                        let jobs: BTreeSet<u32> = owners.iter().map(|o| o.job).collect();
+                        let alone = keys.iter().all(|k| k.0 != gpu || k.1 == slot);
+                        let util = tick.gpu(gpu).and_then(|s| s.util);
+                        let v = match (jobs.len() >= 2, alone) {
+                            (false, _) => Some(0.0),
+                            // Other servers time-slice the GPU too: its utilization is not this one's.
+                            (true, false) => None,
+                            (true, true) => util,
+                        };
+                        let names: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
+                        Measured {
+                            subject: Subject::Server { gpu, slot },
+                            value: v,
+                            gpu: Some(gpu),
+                            owner: None,
+                            others: owners.iter().copied().collect(),
+                            detail: format!(
+                                "gpu{gpu} server {slot} {:.0} % busy with jobs {} in it",
+                                util.unwrap_or(0.0) * 100.0,
+                                names.join(",")
+                            ),
+                        }
+                    })
+                    .collect()
+            }
             Measure::IdleAllocation => tick
                 .clients
                 .iter()

@@ -442,6 +442,7 @@ fn families(s: &Snapshot) -> Vec<Family> {
         match &f.subject {
             Subject::Client { pid, .. } => labels.push(("pid".into(), pid.to_string())),
             Subject::Nic { port } => labels.push(("port".into(), port.clone())),
+            Subject::Server { slot, .. } => labels.push(("server".into(), slot.to_string())),
             _ => {}
         }
         out.add(

@@ -26,6 +26,16 @@ pub struct NvmlSource {
     gpm: BTreeMap<u32, GpmSample<'static>>,
     /// The slow counters of the last slow round, carried into the rounds between.
     slow: BTreeMap<u32, GpuSample>,
+    /// Per GPU: per-process utilization of the last slow round (2.7 ms of CPU per call on an
+    /// H200, so not every round), and whether NVML answered.
+    util: BTreeMap<u32, (BTreeMap<u32, f64>, bool)>,
+}
+
+/// The MPS server process: NVML lists it as a compute process and credits it with all its
+/// clients' utilization (measured, driver 580); it is no job's client.
+fn is_mps_server(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .is_ok_and(|c| c.starts_with("nvidia-cuda-mps"))
 }
 
 impl NvmlSource {
@@ -36,6 +46,7 @@ impl NvmlSource {
             last_seen: BTreeMap::new(),
             gpm: BTreeMap::new(),
             slow: BTreeMap::new(),
+            util: BTreeMap::new(),
         }
     }
 
@@ -158,7 +169,7 @@ impl NvmlSource {
         s.nvlink_errors = (!nvl.is_empty()).then(|| nvl.iter().sum());
     }
 
-    fn clients(&mut self, gpu: u32, d: &Device<'static>, out: &mut Vec<ClientSample>) {
+    fn clients(&mut self, gpu: u32, slow: bool, d: &Device<'static>, out: &mut Vec<ClientSample>) {
         let mut mem: BTreeMap<u32, Option<u64>> = BTreeMap::new();
         let lists = [
             d.running_compute_processes(),
@@ -173,24 +184,31 @@ impl NvmlSource {
             *e = e.or(m);
         }
         let idle = d.utilization_rates().is_ok_and(|u| u.gpu == 0);
-        let last = self.last_seen.get(&gpu).copied();
-        let mut util: BTreeMap<u32, f64> = BTreeMap::new();
-        let answered = match d.process_utilization_stats(last) {
-            Ok(samples) => {
-                for s in &samples {
-                    let u = util.entry(s.pid).or_insert(0.0);
-                    *u = u.max(s.sm_util as f64 / 100.0);
+        if slow || !self.util.contains_key(&gpu) {
+            let last = self.last_seen.get(&gpu).copied();
+            let mut util: BTreeMap<u32, f64> = BTreeMap::new();
+            let answered = match d.process_utilization_stats(last) {
+                Ok(samples) => {
+                    for s in &samples {
+                        let u = util.entry(s.pid).or_insert(0.0);
+                        *u = u.max(s.sm_util as f64 / 100.0);
+                    }
+                    if let Some(ts) = samples.iter().map(|s| s.timestamp).max() {
+                        self.last_seen.insert(gpu, ts);
+                    }
+                    true
                 }
-                if let Some(ts) = samples.iter().map(|s| s.timestamp).max() {
-                    self.last_seen.insert(gpu, ts);
-                }
-                true
-            }
-            // NotFound: no process ran a kernel in the period.
-            Err(NvmlError::NotFound) => true,
-            Err(_) => false,
-        };
+                // NotFound: no process ran a kernel in the period.
+                Err(NvmlError::NotFound) => true,
+                Err(_) => false,
+            };
+            self.util.insert(gpu, (util, answered));
+        }
+        let (util, answered) = self.util.get(&gpu).cloned().unwrap_or_default();
         for (pid, m) in mem {
+            if is_mps_server(pid) {
+                continue;
+            }
             out.push(ClientSample {
                 gpu,
                 pid,
@@ -227,7 +245,7 @@ impl Source for NvmlSource {
                     if let Some(sl) = self.slow.get(&gpu) {
                         merge_slow(&mut s, sl);
                     }
-                    self.clients(gpu, &d, &mut clients);
+                    self.clients(gpu, slow, &d, &mut clients);
                     readings.push(GpuReading::Sample(Box::new(s)));
                 }
                 Err(_) => readings.push(GpuReading::Lost { gpu }),

@@ -91,7 +91,8 @@ pub struct Scenario {
     pub ranks: Vec<Rank>,
     pub nics: Vec<String>,
     pub injections: Vec<Injection>,
-    /// Whether NVML gives per-process utilization (false: like MPS clients on some drivers).
+    /// Whether NVML gives per-process utilization. false for MPS clients: measured on an H200
+    /// (driver 580), NVML credits all of an MPS server's utilization to the server process.
     pub per_client_util: bool,
 }
 
@@ -180,11 +181,35 @@ impl Scenario {
                 continue;
             }
             let ranks: Vec<&Rank> = self.ranks.iter().filter(|r| r.gpu == gpu).collect();
-            let busy = ranks.iter().map(|r| r.util).fold(0.0, f64::max);
-            let util = if ranks.is_empty() {
+            // Each client's utilization first; the GPU's is the time any of them ran a kernel.
+            let hog = ranks
+                .iter()
+                .find(|r| self.client_hit(t, r.pid, Pathology::Hog))
+                .map(|r| r.pid);
+            let cu: Vec<f64> = ranks
+                .iter()
+                .map(|r| {
+                    let mut u = r.util + 0.04 * self.noise(round, 1000 + r.pid as u64);
+                    if self.client_hit(t, r.pid, Pathology::Straggler) {
+                        u *= 0.25;
+                    }
+                    if self.client_hit(t, r.pid, Pathology::IdleAllocation) {
+                        u = 0.0;
+                    }
+                    match hog {
+                        Some(h) if h == r.pid => u = 0.99,
+                        Some(_) => u = 0.01,
+                        None => {}
+                    }
+                    u.clamp(0.0, 1.0)
+                })
+                .collect();
+            let busy = 1.0 - cu.iter().map(|u| 1.0 - u).product::<f64>();
+            // An idle GPU reads exactly 0 (as NVML's does).
+            let util = if ranks.is_empty() || busy < 0.005 {
                 0.0
             } else {
-                (busy + 0.04 * self.noise(round, g + 1)).clamp(0.0, 1.0)
+                (busy + 0.02 * self.noise(round, g + 1)).clamp(0.0, 1.0)
             };
             let throttled = self.active(t, gpu, Pathology::Throttle).is_some();
             let skewed = self.active(t, gpu, Pathology::ClockSkew).is_some();
@@ -270,29 +295,13 @@ impl Scenario {
                 dram_active: Some((util * 0.5).clamp(0.0, 1.0)),
             };
             tick.gpus.push(GpuReading::Sample(Box::new(s)));
-            let hog = ranks
-                .iter()
-                .find(|r| self.client_hit(t, r.pid, Pathology::Hog))
-                .map(|r| r.pid);
-            for r in ranks {
-                let mut u = r.util + 0.04 * self.noise(round, 1000 + r.pid as u64);
-                if self.client_hit(t, r.pid, Pathology::Straggler) {
-                    u *= 0.25;
-                }
-                if self.client_hit(t, r.pid, Pathology::IdleAllocation) {
-                    u = 0.0;
-                }
-                match hog {
-                    Some(h) if h == r.pid => u = 0.97,
-                    Some(_) => u = 0.01,
-                    None => {}
-                }
+            for (r, u) in ranks.into_iter().zip(cu) {
                 tick.clients.push(ClientSample {
                     gpu,
                     pid: r.pid,
                     slot: Some(0),
                     mem_used_bytes: Some(self.rank_mem(r, t)),
-                    sm_util: self.per_client_util.then_some(u.clamp(0.0, 1.0)),
+                    sm_util: self.per_client_util.then_some(u),
                     owner: r.owner,
                 });
             }

@@ -48,7 +48,8 @@ impl SimSource {
                 ranks: Vec::new(),
                 nics: Vec::new(),
                 injections: Vec::new(),
-                per_client_util: true,
+                // Measured: NVML gives MPS clients no utilization of their own.
+                per_client_util: false,
             },
             injections,
             started,

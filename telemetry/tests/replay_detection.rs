@@ -29,7 +29,8 @@ fn rank(gpu: u32, pid: u32, job: u32, uid: u32, util: f64, gib: u64) -> Rank {
 }
 
 /// 4 GPUs: job 10 on GPUs 0,1 (pids 100, 101); job 11 on GPUs 2,3 (200, 201); job 12 shares
-/// GPU 3 (pid 300); one NIC port.
+/// GPU 3's MPS server (pid 300); one NIC port. Clients have no utilization of their own, as NVML
+/// reports MPS clients (measured); `with_client_util` is the no-MPS case.
 fn base(seed: u64) -> Scenario {
     Scenario {
         seed,
@@ -39,11 +40,18 @@ fn base(seed: u64) -> Scenario {
             rank(1, 101, 10, 1000, 0.85, 8),
             rank(2, 200, 11, 1001, 0.85, 8),
             rank(3, 201, 11, 1001, 0.85, 8),
-            rank(3, 300, 12, 1002, 0.30, 2),
+            rank(3, 300, 12, 1002, 0.10, 2),
         ],
         nics: vec!["mlx5_0/1".into()],
         injections: vec![],
+        per_client_util: false,
+    }
+}
+
+fn with_client_util(seed: u64) -> Scenario {
+    Scenario {
         per_client_util: true,
+        ..base(seed)
     }
 }
 
@@ -104,11 +112,10 @@ fn benign_oddities_raise_nothing() {
 }
 
 #[test]
-fn clients_without_per_process_utilization_raise_nothing() {
-    for seed in 0..10 {
-        let mut s = base(seed);
-        s.per_client_util = false;
-        assert!(run(&s, 3600.0).is_empty());
+fn clients_with_per_process_utilization_raise_nothing_either() {
+    for seed in 0..20 {
+        let f = run(&with_client_util(seed), 3600.0);
+        assert!(f.is_empty(), "seed {seed}: {f:#?}");
     }
 }
 
@@ -127,7 +134,12 @@ fn client(g: u32, pid: u32) -> Subject {
     Subject::Client { gpu: g, pid }
 }
 
-fn cases() -> Vec<Case> {
+fn server(g: u32) -> Subject {
+    Subject::Server { gpu: g, slot: 0 }
+}
+
+/// `client_util`: whether NVML gives each client its own utilization (no MPS).
+fn cases(client_util: bool) -> Vec<Case> {
     use Pathology as P;
     use RuleId as R;
     let c = |what, g, pid, expect| Case {
@@ -190,26 +202,46 @@ fn cases() -> Vec<Case> {
             vec![(R::MemoryImbalance, Subject::Job { job: 10 }, Some(10))],
         ),
         c(P::NearOom, 1, None, vec![(R::NearOom, gpu(1), Some(10))]),
-        // The hog's neighbour of another job is starved, so that job's rank also straggles.
-        c(
-            P::Hog,
-            3,
-            Some(300),
-            vec![
-                (R::MpsHog, client(3, 300), Some(12)),
-                (R::Straggler, client(3, 201), Some(11)),
-            ],
-        ),
-        // An idle rank is also a straggler of its job.
-        c(
-            P::IdleAllocation,
-            2,
-            Some(200),
-            vec![
-                (R::IdleAllocation, client(2, 200), Some(11)),
-                (R::Straggler, client(2, 200), Some(11)),
-            ],
-        ),
+        // With per-client utilization the hog is named and its starved neighbour straggles; under
+        // MPS only the saturated shared server shows.
+        if client_util {
+            c(
+                P::Hog,
+                3,
+                Some(300),
+                vec![
+                    (R::MpsHog, client(3, 300), Some(12)),
+                    (R::Straggler, client(3, 201), Some(11)),
+                    (R::MpsContention, server(3), None),
+                ],
+            )
+        } else {
+            c(
+                P::Hog,
+                3,
+                Some(300),
+                vec![(R::MpsContention, server(3), None)],
+            )
+        },
+        // An idle rank is also a straggler of its job, where its peer's utilization is known.
+        if client_util {
+            c(
+                P::IdleAllocation,
+                2,
+                Some(200),
+                vec![
+                    (R::IdleAllocation, client(2, 200), Some(11)),
+                    (R::Straggler, client(2, 200), Some(11)),
+                ],
+            )
+        } else {
+            c(
+                P::IdleAllocation,
+                2,
+                Some(200),
+                vec![(R::IdleAllocation, client(2, 200), Some(11))],
+            )
+        },
         c(
             P::NicErrors,
             0,
@@ -230,9 +262,13 @@ fn cases() -> Vec<Case> {
 fn each_pathology_is_detected_in_its_window_attributed_and_cleared() {
     let start = 1200.0;
     let len = 1800.0;
-    for seed in [1, 2, 3] {
-        for case in cases() {
-            let mut s = base(seed);
+    for (seed, client_util) in [(1, false), (2, false), (3, true), (4, true)] {
+        for case in cases(client_util) {
+            let mut s = if client_util {
+                with_client_util(seed)
+            } else {
+                base(seed)
+            };
             s.injections.push(Injection {
                 what: case.what,
                 gpu: case.gpu,

@@ -22,74 +22,9 @@ import threading
 import time
 
 import gpucommon as g
-from gpucommon import Kmsg, check, ctl, ctl_json, events, say, sh, start_agent, status
+from gpucommon import BATCH, Kmsg, Task, check, ctl, ctl_json, events, say, sh, start_agent, status
 
 RESULTS = g.RESULTS
-BATCH = 4294967291
-
-
-class Task:
-    """A task as slurmstepd starts it: registered with the agent first (which places it in a fault
-    domain), then it execs into the CUDA client with that domain's MPS directories (same pid)."""
-
-    def __init__(self, job, isolation, argv, uid=None):
-        self.t_spawn = time.time()
-        script = 'read p l; export CUDA_MPS_PIPE_DIRECTORY="$p" CUDA_MPS_LOG_DIRECTORY="$l" CUDA_VISIBLE_DEVICES=0; exec "$@"'
-        kw = {"user": uid, "group": uid} if uid is not None else {}
-        self.p = subprocess.Popen(["/bin/sh", "-c", script, "task", *map(str, argv)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-        self.pid = self.p.pid
-        self.job = job
-        self.lines = []
-        args = ["--json", "register", "--job", job, "--step", BATCH, "--pid", self.pid, "--gpus", 0,
-                "--mode", "requeue", "--batch"]
-        if isolation:
-            args += ["--isolation", isolation]
-        if uid is not None:
-            args += ["--uid", uid]
-        t0 = time.time()
-        r = ctl(*args)
-        self.register_s = time.time() - t0
-        try:
-            self.ctx = json.loads(r.stdout)["contexts"][0]
-        except (ValueError, KeyError, IndexError):
-            self.ctx = None
-            say(f"  register job {job} failed: {r.stdout} {r.stderr}")
-            self.p.kill()
-            return
-        self.domain = self.ctx["domain"]
-        self.t_go = time.time()
-        self.p.stdin.write(f"{self.ctx['pipe_dir']} {self.ctx['log_dir']}\n")
-        self.p.stdin.flush()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.time(), line.strip()))
-
-    def wait_line(self, prefix, timeout=60):
-        end = time.time() + timeout
-        while time.time() < end:
-            for t, l in self.lines:
-                if l.startswith(prefix):
-                    return t, l
-            if self.p.poll() is not None:
-                time.sleep(0.1)
-                return next(((t, l) for t, l in self.lines if l.startswith(prefix)), None)
-            time.sleep(0.01)
-        return None
-
-    def wait(self, timeout=30):
-        try:
-            return self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def text(self):
-        return " | ".join(l for _, l in self.lines)
-
-    def done(self, code):
-        ctl("deregister", "--job", self.job, "--step", BATCH, "--pid", self.pid, "--exit-status", code or 0)
 
 
 def domains():
