@@ -115,6 +115,14 @@ fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBoo
     let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     while !stop.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(50));
+        // One stat per wake-up while nothing was written (the common case): open and read only
+        // when the length moved.
+        let Ok(meta) = std::fs::metadata(path) else {
+            continue;
+        };
+        if meta.len() == pos {
+            continue;
+        }
         let Ok(mut f) = File::open(path) else {
             continue;
         };

@@ -1395,6 +1395,29 @@ fn telemetry_names_a_straggler_and_drains_only_for_hardware() {
         })
     });
     assert!(e.health().healthy, "a straggler never drains");
+    // job-skew asks each node's agent over HTTP (here the one node) and marks the slow rank.
+    let out = Command::new(Path::new(env!("CARGO_BIN_EXE_mpsr-agent")).with_file_name("mpsrctl"))
+        .args([
+            "--json",
+            "job-skew",
+            "50",
+            "--nodes",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+        ])
+        .output()
+        .unwrap();
+    let skew: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let slow: Vec<u64> = skew["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["straggler"] == true)
+        .map(|r| r["rank"]["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(slow, vec![a.id() as u64], "{skew}");
+    assert_eq!(out.status.code(), Some(1), "a straggler: exit 1");
     match e.call(&Request::JobReport { job_id: 50 }).unwrap() {
         Response::JobReport(r) => assert!(
             r.pathologies
