@@ -123,7 +123,7 @@ pub struct Detector {
     series: BTreeMap<(RuleId, Subject), Series>,
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }

@@ -1,7 +1,7 @@
 //! A job's ranks on one node (what each node's agent serves at `/v1/jobs/<id>`) and the
 //! comparison `mpsrctl job-skew` makes across nodes, with the straggler rule's thresholds.
 
-use crate::detect::client_util;
+use crate::detect::{client_util, median};
 use crate::rules::{RuleId, RULES};
 use crate::sample::Snapshot;
 use serde::{Deserialize, Serialize};
@@ -68,19 +68,6 @@ pub struct RankVerdict {
     /// Its utilization over the median of all the job's other ranks, on every node.
     pub relative: Option<f64>,
     pub straggler: bool,
-}
-
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
 }
 
 /// Compares every rank with the median of the others (all nodes), flagging those at or below the
