@@ -78,7 +78,39 @@ def events():
     return e.get("events", []) if isinstance(e, dict) else []
 
 
-class Proc:
+class Output:
+    """A child process whose output lines are read, timestamped, in a thread (`self.p`,
+    `self.lines`); `WAIT` is the default wait for a line."""
+
+    WAIT = 30
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append((time.time(), line.strip()))
+
+    def wait_line(self, prefix, timeout=None):
+        end = time.time() + (timeout or self.WAIT)
+        while time.time() < end:
+            for t, l in self.lines:
+                if l.startswith(prefix):
+                    return t, l
+            if self.p.poll() is not None:
+                time.sleep(0.1)  # let the reader take the last lines
+                return next(((t, l) for t, l in self.lines if l.startswith(prefix)), None)
+            time.sleep(0.01)
+        return None
+
+    def wait(self, timeout=30):
+        try:
+            return self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def text(self):
+        return " | ".join(l for _, l in self.lines)
+
+
+class Proc(Output):
     """A CUDA client of GPU 0's MPS server, its output lines timestamped. `argv` overrides the
     default mpsr_probe command line; `env` adds variables."""
 
@@ -99,32 +131,6 @@ class Proc:
         self.pid = self.p.pid
         self.lines = []
         threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.time(), line.strip()))
-
-    def wait_line(self, prefix, timeout=30):
-        end = time.time() + timeout
-        while time.time() < end:
-            for t, l in self.lines:
-                if l.startswith(prefix):
-                    return t, l
-            if self.p.poll() is not None and not any(l.startswith(prefix) for _, l in self.lines):
-                time.sleep(0.05)
-                return next(((t, l) for t, l in self.lines if l.startswith(prefix)), None)
-            time.sleep(0.02)
-        return None
-
-    def wait(self, timeout=30):
-        try:
-            return self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def text(self):
-        return " | ".join(l for _, l in self.lines)
-
 
 def register(job, pid):
     r = ctl("register", "--job", job, "--step", 4294967291, "--pid", pid, "--gpus", 0, "--mode", "requeue", "--batch")
@@ -284,9 +290,11 @@ def finish_common(json_name):
     return 0 if RESULTS["passed"] else 1
 
 
-class Task:
+class Task(Output):
     """A task as slurmstepd starts it: registered with the agent first (which places it in a fault
     domain), then it execs into the CUDA client with that domain's MPS directories (same pid)."""
+
+    WAIT = 60
 
     def __init__(self, job, isolation, argv, uid=None):
         self.t_spawn = time.time()
@@ -318,31 +326,6 @@ class Task:
         self.p.stdin.write(f"{self.ctx['pipe_dir']} {self.ctx['log_dir']}\n")
         self.p.stdin.flush()
         threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.time(), line.strip()))
-
-    def wait_line(self, prefix, timeout=60):
-        end = time.time() + timeout
-        while time.time() < end:
-            for t, l in self.lines:
-                if l.startswith(prefix):
-                    return t, l
-            if self.p.poll() is not None:
-                time.sleep(0.1)
-                return next(((t, l) for t, l in self.lines if l.startswith(prefix)), None)
-            time.sleep(0.01)
-        return None
-
-    def wait(self, timeout=30):
-        try:
-            return self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def text(self):
-        return " | ".join(l for _, l in self.lines)
 
     def done(self, code):
         ctl("deregister", "--job", self.job, "--step", BATCH, "--pid", self.pid, "--exit-status", code or 0)
