@@ -90,6 +90,8 @@ impl Agent {
         }
         let history: VecDeque<DecisionRecord> =
             persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
+        let telemetry: crate::state::TelemetryLog =
+            persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
         for t in &gone {
             tracing::info!(
@@ -128,6 +130,7 @@ impl Agent {
             state: Mutex::new(State {
                 d,
                 history,
+                telemetry,
                 correlator: Correlator::new(window),
                 recovering: BTreeMap::new(),
                 recent_exits: VecDeque::new(),
@@ -203,7 +206,7 @@ impl Agent {
                 .rules()
                 .unwrap_or_else(|_| mpsr_telemetry::RULES.to_vec());
             let mut det = mpsr_telemetry::Detector::new(rules);
-            det.restore(self.state().d.active_findings.clone());
+            det.restore(self.state().telemetry.active.clone());
             let source = self.backend.telemetry_source();
             let a = self.clone();
             spawn("telemetry", Box::new(move || a.telemetry_loop(source, det)))?;
@@ -249,14 +252,7 @@ impl Agent {
 
     pub fn shutdown(&self) {
         self.persist_now();
-        let domains: Vec<DomainId> = {
-            let st = self.state();
-            self.backend
-                .gpus()
-                .iter()
-                .flat_map(|g| self.domains_of_gpu(&st, g.index))
-                .collect()
-        };
+        let domains = self.all_domains(&self.state());
         self.backend.shutdown(&domains);
     }
 }

@@ -333,6 +333,15 @@ impl Agent {
             .collect()
     }
 
+    /// Every domain of every GPU.
+    pub fn all_domains(&self, st: &State) -> Vec<DomainId> {
+        self.backend
+            .gpus()
+            .iter()
+            .flat_map(|g| self.domains_of_gpu(st, g.index))
+            .collect()
+    }
+
     pub fn add_outcome(&self, st: &mut State, fault_id: u64, line: String) {
         if let Some(r) = st.history.iter_mut().rev().find(|r| r.fault_id == fault_id) {
             r.outcome.push(line);

@@ -81,7 +81,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let owner = st.d.owner_of(job_id);
             st.d.registry.remove_job(job_id);
             st.d.resume.remove_job(job_id);
-            let rep = job_report(&st.history, &st.d.outcomes, &st.d.pathologies, job_id);
+            let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
             if let Some(uid) = owner {
                 crate::state::archive_report(&mut st.d, uid, rep.clone());
             }
@@ -107,49 +107,36 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 None => [job_id].into(),
             };
             rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
-            rep.pathologies = redact_pathologies(&rep.pathologies, &own);
+            rep.pathologies = rep
+                .pathologies
+                .iter()
+                .filter_map(|p| redact_pathology(p, &own))
+                .collect();
             Response::JobReport(rep)
         }
         Request::Status => status(agent, peer, trusted),
         Request::Events { limit } => {
             let st = agent.state();
             let own = st.d.jobs_of(peer.uid);
-            let mut events: Vec<DecisionRecord> = st
-                .history
-                .iter()
-                .rev()
-                .filter_map(|r| {
-                    if trusted {
-                        Some(r.clone())
-                    } else {
-                        redact(r, &own)
-                    }
-                })
-                .take(limit.clamp(1, 10_000) as usize)
-                .collect();
-            events.reverse();
-            // Keep the reply within one frame: drop the oldest until it fits.
-            while events.len() > 1
-                && serde_json::to_vec(&events).map_or(0, |b| b.len()) > mpsr_proto::MAX_FRAME - 1024
-            {
-                let drop_n = (events.len() / 10).max(1);
-                events.drain(..drop_n);
-            }
             let n = limit.clamp(1, 10_000) as usize;
-            let mut pathologies: Vec<mpsr_proto::PathologyRecord> = if trusted {
-                st.d.pathologies.iter().rev().take(n).cloned().collect()
-            } else {
-                let all: Vec<_> = st.d.pathologies.iter().rev().take(n).cloned().collect();
-                redact_pathologies(&all, &own)
-            };
-            pathologies.reverse();
-            while pathologies.len() > 1
-                && serde_json::to_vec(&pathologies).map_or(0, |b| b.len())
-                    > (mpsr_proto::MAX_FRAME - 1024) / 2
-            {
-                let drop_n = (pathologies.len() / 10).max(1);
-                pathologies.drain(..drop_n);
-            }
+            let mut events = newest(st.history.iter(), n, |r| {
+                if trusted {
+                    Some(r.clone())
+                } else {
+                    redact(r, &own)
+                }
+            });
+            let mut pathologies = newest(st.telemetry.records.iter(), n, |p| {
+                if trusted {
+                    Some(p.clone())
+                } else {
+                    redact_pathology(p, &own)
+                }
+            });
+            // Both within one frame: findings get at most half of it, decisions the rest.
+            let budget = mpsr_proto::MAX_FRAME - 1024;
+            let used = fit_frame(&mut pathologies, budget / 2);
+            fit_frame(&mut events, budget - used);
             Response::Events {
                 events,
                 pathologies,
@@ -196,11 +183,15 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                     peer.uid
                 ));
             }
-            let mut rep = job_report(&st.history, &st.d.outcomes, &st.d.pathologies, job_id);
+            let mut rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
             if !trusted {
                 let own = st.d.jobs_of(peer.uid);
                 rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
-                rep.pathologies = redact_pathologies(&rep.pathologies, &own);
+                rep.pathologies = rep
+                    .pathologies
+                    .iter()
+                    .filter_map(|p| redact_pathology(p, &own))
+                    .collect();
             }
             Response::JobReport(rep)
         }
@@ -609,7 +600,7 @@ fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
 fn health(agent: &Agent) -> Response {
     let st = agent.state();
     let mut reasons: Vec<String> = st.d.unhealthy.values().map(|(_, r)| r.clone()).collect();
-    reasons.extend(agent.telemetry_reasons(&st.d.active_findings));
+    reasons.extend(agent.telemetry_reasons(&st.telemetry.active));
     drop(st);
     Response::Health(HealthReply {
         node: agent.node.clone(),
@@ -638,18 +629,36 @@ fn redact(r: &DecisionRecord, own: &std::collections::BTreeSet<u32>) -> Option<D
     Some(r)
 }
 
-fn redact_pathologies(
-    all: &[mpsr_proto::PathologyRecord],
+fn redact_pathology(
+    p: &mpsr_proto::PathologyRecord,
     own: &std::collections::BTreeSet<u32>,
-) -> Vec<mpsr_proto::PathologyRecord> {
-    all.iter()
-        .filter_map(|p| {
-            Some(mpsr_proto::PathologyRecord {
-                at_ms: p.at_ms,
-                finding: crate::telemetry::redact(&p.finding, own)?,
-            })
-        })
-        .collect()
+) -> Option<mpsr_proto::PathologyRecord> {
+    Some(mpsr_proto::PathologyRecord {
+        at_ms: p.at_ms,
+        finding: crate::telemetry::redact(&p.finding, own)?,
+    })
+}
+
+/// The newest `n` items `keep` lets through (and maps), oldest first.
+fn newest<'a, T: 'a, U>(
+    items: impl DoubleEndedIterator<Item = &'a T>,
+    n: usize,
+    keep: impl FnMut(&T) -> Option<U>,
+) -> Vec<U> {
+    let mut v: Vec<U> = items.rev().filter_map(keep).take(n).collect();
+    v.reverse();
+    v
+}
+
+/// Drops the oldest items until `v` serializes within `budget` bytes (one always stays); returns
+/// the size it serializes to.
+fn fit_frame<T: serde::Serialize>(v: &mut Vec<T>, budget: usize) -> usize {
+    let size = |v: &Vec<T>| serde_json::to_vec(v).map_or(0, |b| b.len());
+    while v.len() > 1 && size(v) > budget {
+        let drop_n = (v.len() / 10).max(1);
+        v.drain(..drop_n);
+    }
+    size(v)
 }
 
 fn job_report(

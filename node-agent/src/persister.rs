@@ -15,6 +15,8 @@ pub struct Persister {
     journal: Mutex<crate::journal::Journal>,
     /// The decision history changed (kept in its own file; not needed for correctness).
     history: AtomicBool,
+    /// The telemetry log changed (its own file too).
+    telemetry: AtomicBool,
 }
 
 /// A full state file after this many journal entries.
@@ -29,6 +31,7 @@ impl Persister {
             full: AtomicBool::new(true),
             journal: Mutex::new(crate::journal::Journal::new(journal_path)),
             history: AtomicBool::new(false),
+            telemetry: AtomicBool::new(false),
         }
     }
 
@@ -42,8 +45,29 @@ impl Agent {
     fn state_file(&self) -> std::path::PathBuf {
         self.cfg.state_dir.join("state.json")
     }
-    fn history_file(&self) -> std::path::PathBuf {
-        self.cfg.state_dir.join("history.json")
+    /// Marks the telemetry log changed: written by the persister, without the state file.
+    pub fn telemetry_changed(&self) {
+        self.persister.telemetry.store(true, SeqCst);
+        self.mark_journaled();
+    }
+
+    /// Writes one of the side files (history, telemetry log) if its flag was set.
+    fn write_side_file(
+        &self,
+        flag: &AtomicBool,
+        name: &str,
+        body: impl FnOnce(&crate::state::State) -> serde_json::Result<Vec<u8>>,
+    ) {
+        if !flag.swap(false, SeqCst) {
+            return;
+        }
+        let body = body(&self.state());
+        if let Err(e) = body.map_err(|e| e.to_string()).and_then(|b| {
+            persist::write_atomic_bytes(&self.cfg.state_dir.join(name), &b)
+                .map_err(|e| e.to_string())
+        }) {
+            tracing::warn!(file = name, error = %e, "writing a side file failed");
+        }
     }
 
     /// Marks the durable state changed; returns the generation to wait for.
@@ -110,14 +134,12 @@ impl Agent {
                 journal.append(&entries).map_err(|e| e.to_string())
             }
         };
-        if self.persister.history.swap(false, SeqCst) {
-            let body = serde_json::to_vec(&self.state().history);
-            if let Err(e) = body.map_err(|e| e.to_string()).and_then(|b| {
-                persist::write_atomic_bytes(&self.history_file(), &b).map_err(|e| e.to_string())
-            }) {
-                tracing::warn!(error = %e, "writing the decision history failed");
-            }
-        }
+        self.write_side_file(&self.persister.history, "history.json", |st| {
+            serde_json::to_vec(&st.history)
+        });
+        self.write_side_file(&self.persister.telemetry, "telemetry.json", |st| {
+            serde_json::to_vec(&st.telemetry)
+        });
         match result {
             Ok(()) => {
                 let mut g = lock(&self.persister.gens);

@@ -113,13 +113,17 @@ pub struct Durable {
     /// kept GPU state waits for the next run.
     #[serde(default)]
     pub requeued: BTreeMap<u32, u64>,
+}
+
+/// What telemetry found, kept in its own file (telemetry.json) so that the state file written on
+/// every decision and job start/end does not carry it.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct TelemetryLog {
     /// Pathology findings (raised and cleared), most recent last.
-    #[serde(default)]
-    pub pathologies: VecDeque<mpsr_proto::PathologyRecord>,
+    pub records: VecDeque<mpsr_proto::PathologyRecord>,
     /// Findings active when last saved: the detector resumes them after a restart, so a node
     /// drained for one is not resumed by the restart alone.
-    #[serde(default)]
-    pub active_findings: Vec<mpsr_telemetry::Finding>,
+    pub active: Vec<mpsr_telemetry::Finding>,
 }
 
 impl Durable {
@@ -191,6 +195,7 @@ pub struct Recovering {
 pub struct State {
     pub d: Durable,
     pub history: VecDeque<DecisionRecord>,
+    pub telemetry: TelemetryLog,
     pub correlator: Correlator,
     pub recovering: BTreeMap<DomainId, Recovering>,
     /// Tasks that just exited abnormally. A fault kills its clients at about the moment its Xid is

@@ -65,12 +65,13 @@ impl Agent {
             };
             let changes = det.observe(&tick);
             round += 1;
-            self.record(&changes, det.active());
+            let active = det.active();
+            self.record(&changes, &active);
             *lock(&self.telemetry.exporter.0) = Snapshot {
                 node: self.node.clone(),
                 simulated: self.backend.simulated(),
                 tick,
-                findings: det.active(),
+                findings: active,
                 rounds: round,
                 cpu_seconds: thread_cpu_seconds(),
             };
@@ -84,14 +85,7 @@ impl Agent {
         if !self.backend.simulated() {
             return Vec::new();
         }
-        let domains: Vec<_> = {
-            let st = self.state();
-            self.backend
-                .gpus()
-                .iter()
-                .flat_map(|g| self.domains_of_gpu(&st, g.index))
-                .collect()
-        };
+        let domains = self.all_domains(&self.state());
         domains
             .into_iter()
             .flat_map(|d| {
@@ -133,7 +127,7 @@ impl Agent {
         }
     }
 
-    fn record(&self, changes: &[Finding], active: Vec<Finding>) {
+    fn record(&self, changes: &[Finding], active: &[Finding]) {
         if changes.is_empty() {
             return;
         }
@@ -153,18 +147,19 @@ impl Agent {
         }
         let kept = self.cfg.telemetry.findings_kept.max(1);
         let mut st = self.state();
+        let log = &mut st.telemetry;
         for f in changes {
-            st.d.pathologies.push_back(PathologyRecord {
+            log.records.push_back(PathologyRecord {
                 at_ms: now_ms(),
                 finding: f.clone(),
             });
         }
-        while st.d.pathologies.len() > kept {
-            st.d.pathologies.pop_front();
+        while log.records.len() > kept {
+            log.records.pop_front();
         }
-        st.d.active_findings = active;
+        log.active = active.to_vec();
         drop(st);
-        self.mark_dirty();
+        self.telemetry_changed();
     }
 
     /// Reasons the node is unhealthy from telemetry (hardware findings), for the health check.

@@ -1476,6 +1476,13 @@ fn telemetry_names_a_straggler_and_drains_only_for_hardware() {
         Err(_) => skip("promtool not installed (Debian package prometheus): /metrics not linted"),
     }
 
+    // Findings are kept in their own file, not in the state file every decision rewrites.
+    e.wait_for("telemetry log written", |e| {
+        std::fs::read_to_string(e.path().join("state/telemetry.json"))
+            .is_ok_and(|t| t.contains("hw_slowdown"))
+    });
+    let state = std::fs::read_to_string(e.path().join("state/state.json")).unwrap();
+    assert!(!state.contains("hw_slowdown"), "{state}");
     // The finding outlives an agent crash: the restarted agent does not report the node healthy.
     e.kill_agent();
     e.start_agent();

@@ -196,10 +196,10 @@ impl Detector {
     /// Feeds one round; returns the findings raised or cleared by it.
     pub fn observe(&mut self, tick: &Tick) -> Vec<Finding> {
         let mut out = Vec::new();
-        let rules = self.rules.clone();
-        for rule in &rules {
-            for m in self.measure(rule, tick) {
-                self.step(rule, tick.t, m, &mut out);
+        for i in 0..self.rules.len() {
+            let rule = self.rules[i]; // a copy: measuring borrows self mutably (counter series)
+            for m in self.measure(&rule, tick) {
+                self.step(&rule, tick.t, m, &mut out);
             }
         }
         self.forget_gone(tick, &mut out);

@@ -169,7 +169,15 @@ impl NvmlSource {
         s.nvlink_errors = (!nvl.is_empty()).then(|| nvl.iter().sum());
     }
 
-    fn clients(&mut self, gpu: u32, slow: bool, d: &Device<'static>, out: &mut Vec<ClientSample>) {
+    /// `idle`: the GPU's utilization read 0 this round.
+    fn clients(
+        &mut self,
+        gpu: u32,
+        slow: bool,
+        idle: bool,
+        d: &Device<'static>,
+        out: &mut Vec<ClientSample>,
+    ) {
         let mut mem: BTreeMap<u32, Option<u64>> = BTreeMap::new();
         let lists = [
             d.running_compute_processes(),
@@ -183,7 +191,6 @@ impl NvmlSource {
             let e = mem.entry(p.pid).or_insert(None);
             *e = e.or(m);
         }
-        let idle = d.utilization_rates().is_ok_and(|u| u.gpu == 0);
         if slow || !self.util.contains_key(&gpu) {
             let last = self.last_seen.get(&gpu).copied();
             let mut util: BTreeMap<u32, f64> = BTreeMap::new();
@@ -245,7 +252,8 @@ impl Source for NvmlSource {
                     if let Some(sl) = self.slow.get(&gpu) {
                         merge_slow(&mut s, sl);
                     }
-                    self.clients(gpu, slow, &d, &mut clients);
+                    let idle = s.util == Some(0.0);
+                    self.clients(gpu, slow, idle, &d, &mut clients);
                     readings.push(GpuReading::Sample(Box::new(s)));
                 }
                 Err(_) => readings.push(GpuReading::Lost { gpu }),

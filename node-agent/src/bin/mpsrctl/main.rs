@@ -166,7 +166,7 @@ fn main() -> std::process::ExitCode {
             once,
             interval_s,
             count,
-        } => return top(&a, *once, *interval_s, *count),
+        } => return top(&a, timeout, *once, *interval_s, *count),
         Cmd::JobSkew {
             job_id,
             nodes,
@@ -395,8 +395,14 @@ fn print_event(e: &mpsr_proto::DecisionRecord) {
     println!("{e}");
 }
 
-fn top(a: &Args, once: bool, interval_s: u64, count: u32) -> std::process::ExitCode {
-    let client = Client::new(&a.socket, Duration::from_millis(a.timeout_ms));
+fn top(
+    a: &Args,
+    timeout: Duration,
+    once: bool,
+    interval_s: u64,
+    count: u32,
+) -> std::process::ExitCode {
+    let client = Client::new(&a.socket, timeout);
     let mut shown = 0;
     loop {
         match client.call(&Request::Telemetry) {
