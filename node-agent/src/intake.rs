@@ -113,10 +113,15 @@ pub fn spawn_log_tail(domain: DomainId, path: PathBuf, tx: Sender<Signal>, stop:
 
 fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBool) {
     let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    // Woken by writes to the log's directory; the bound is how long a stopped tail may linger.
+    let watch = crate::file_watch::FileWatch::new(path);
+    if !watch.notified() {
+        tracing::debug!(%domain, path = %path.display(), "no inotify: polling the log every 50 ms");
+    }
     while !stop.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(50));
-        // One stat per wake-up while nothing was written (the common case): open and read only
-        // when the length moved.
+        watch.wait(Duration::from_millis(500));
+        // One stat per wake-up while nothing was written: open and read only when the length
+        // moved.
         let Ok(meta) = std::fs::metadata(path) else {
             continue;
         };
@@ -140,6 +145,10 @@ fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBoo
                 break;
             }
             pos += n as u64;
+            // A stopped tail may still be waking up beside its successor: it sends nothing more.
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
             if let Some(ControlLogEvent::Fault) = parse_control_log(line.trim_end()) {
                 let mut s = Signal::new(Source::MpsLog, GpuRef::Index(domain.gpu), None);
                 s.domain = Some(domain.slot);

@@ -10,6 +10,7 @@ pub mod decide;
 pub mod domain;
 pub mod event;
 pub mod faults;
+pub mod file_watch;
 pub mod handlers;
 pub mod http;
 pub mod intake;
