@@ -20,6 +20,9 @@ pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
 use serde::{Deserialize, Serialize};
 
 /// Protocol revision; bumped on incompatible changes.
+/// The telemetry types the protocol carries (findings, samples, pathologies to inject).
+pub use mpsr_telemetry as telemetry;
+
 pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Slurm's step id of a batch script (`SLURM_BATCH_SCRIPT`).

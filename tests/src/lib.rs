@@ -46,6 +46,8 @@ pub struct Options {
     pub health_interval_s: u32,
     /// Seconds a requeued job waits before it may start again (Slurm's cred_expire).
     pub cred_expire_s: u32,
+    /// Appended to every node's agent.toml (further tables, e.g. `[telemetry]`).
+    pub agent_extra: String,
 }
 
 impl Default for Options {
@@ -57,6 +59,7 @@ impl Default for Options {
             plugin_args: vec![],
             health_interval_s: 0,
             cred_expire_s: 5,
+            agent_extra: String::new(),
         }
     }
 }
@@ -427,8 +430,8 @@ kmsg = false
 snapshot_dir = \"{t}/{node}/snapshots\"
 [sim]
 gpus = {}
-",
-            self.opts.gpus_per_node
+{}",
+            self.opts.gpus_per_node, self.opts.agent_extra
         );
         write_file(&self.dir.join(node).join("agent.toml"), &cfg, 0o644)
     }

@@ -245,6 +245,47 @@ fn device_lost_drains_and_healthcheck_resumes_after_recovery() {
     assert!(n2["Reason"].starts_with("admin: maintenance"), "{n2:?}");
 }
 
+/// A hardware finding of the telemetry (a SIMULATED hardware slowdown) drains the node through the
+/// health check with an `mpsr: telemetry` reason; once the finding has cleared (the rule's
+/// hysteresis) the health check resumes it. The other node is never touched.
+#[test]
+fn a_hardware_telemetry_finding_drains_through_the_healthcheck_until_it_clears() {
+    let opts = Options {
+        health_interval_s: 2,
+        agent_extra: "[telemetry]\ninterval_ms = 500\n[telemetry.rules.hw_slowdown]\nwindow_s = 2.0\nclear_s = 2.0\n".into(),
+        ..Options::default()
+    };
+    let Some((_g, c)) = cluster(opts) else {
+        return;
+    };
+    let throttle = Request::SimPathology {
+        gpu: 0,
+        what: mpsr_proto::telemetry::replay::Pathology::Throttle,
+        pid: None,
+        secs: 10,
+    };
+    assert!(matches!(
+        c.agent_call("n1", &throttle).unwrap(),
+        Response::Ok
+    ));
+    let reason = wait_for("n1 drained for the telemetry finding", SHORT, || {
+        let n = c.node("n1");
+        n.get("State")?
+            .contains("DRAIN")
+            .then(|| n.get("Reason").cloned().unwrap_or_default())
+    })
+    .unwrap();
+    assert!(
+        reason.starts_with("mpsr: telemetry hw_slowdown on gpu0 of n1"),
+        "{reason}"
+    );
+    assert!(not_drained(&c, "n2"), "the other node is left alone");
+    wait_for("n1 resumed once the finding cleared", SHORT, || {
+        not_drained(&c, "n1").then_some(())
+    })
+    .unwrap();
+}
+
 /// Case 4: a job without --mps-resilient is left alone: no MPS context, not registered, not
 /// requeued by a fault on its GPU.
 #[test]
