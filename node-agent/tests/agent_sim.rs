@@ -1211,18 +1211,34 @@ fn the_agent_tells_systemd_when_it_is_ready() {
     let sock_path = e.path().join("notify.sock");
     let notify = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
     notify
-        .set_read_timeout(Some(Duration::from_secs(20)))
+        .set_read_timeout(Some(Duration::from_millis(250)))
         .unwrap();
+    let log_path = e.path().join("agent-notify.log");
     let child = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
         .arg("--config")
         .arg(e.path().join("agent.toml"))
         .env("NOTIFY_SOCKET", &sock_path)
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
     e.agent = Some(child);
     let mut buf = [0u8; 256];
-    let n = notify.recv(&mut buf).expect("a readiness datagram");
+    // Generous: CI machines are loaded; a failure says why (the agent's log, or its exit).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let n = loop {
+        match notify.recv(&mut buf) {
+            Ok(n) => break n,
+            Err(err) => {
+                let exited = e.agent.as_mut().unwrap().try_wait().unwrap();
+                if exited.is_some() || Instant::now() > deadline {
+                    panic!(
+                        "no readiness datagram ({err}); agent exit {exited:?}; its log:\n{}",
+                        std::fs::read_to_string(&log_path).unwrap_or_default()
+                    );
+                }
+            }
+        }
+    };
     let msg = String::from_utf8_lossy(&buf[..n]).to_string();
     assert!(msg.starts_with("READY=1\n"), "{msg}");
     assert!(msg.contains("STATUS=serving 2 GPU(s)"), "{msg}");
