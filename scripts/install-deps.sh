@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing mps-resilient needs on Debian/Ubuntu: Slurm (slurmctld, slurmd,
-# client tools, headers for the SPANK plugin), munge, clang/libclang for bindgen, and promtool. Needs root
-# (uses sudo when not root). A Rust toolchain (cargo) must already be installed (https://rustup.rs).
+# client tools, headers for the SPANK plugin), munge, clang/libclang for bindgen, libfaketime (the
+# clock-jump test) and promtool. Needs root (uses sudo when not root). A Rust toolchain (cargo) must already be installed (https://rustup.rs).
 set -euo pipefail
-PKGS=(slurmctld slurmd slurm-client munge libslurm-dev clang libclang-dev)
+PKGS=(slurmctld slurmd slurm-client munge libslurm-dev clang libclang-dev faketime)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

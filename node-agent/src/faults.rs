@@ -174,7 +174,12 @@ impl Agent {
                 }
                 Action::DrainNode { reason } => {
                     let key = format!("f{}:drain", ev.id);
-                    st.d.unhealthy.insert(ev.gpu, (dec.class, reason.clone()));
+                    let known = st.d.unhealthy.insert(ev.gpu, (dec.class, reason.clone()));
+                    // Already drained for this GPU and class: no second call (a node an
+                    // admin resumed meanwhile is drained again by the health check).
+                    if known.is_some_and(|(c, _)| c == dec.class) {
+                        continue;
+                    }
                     enqueue(
                         st,
                         key,
@@ -372,6 +377,39 @@ impl Agent {
 
 fn enqueue(st: &mut State, key: String, fault_id: u64, op: SlurmOp) {
     if st.d.done_keys.contains(&key) || st.d.pending.iter().any(|p| p.key == key) {
+        return;
+    }
+    // A fault storm hits the same job and node again and again: one requeue per run of a job and
+    // one drain in flight per node, however many faults come (each fault still records the hit).
+    let coalesced = match &op {
+        SlurmOp::Requeue { job_id, .. } => {
+            st.d.pending
+                .iter()
+                .find_map(|p| {
+                    matches!(p.op, SlurmOp::Requeue { job_id: j, .. } if j == *job_id)
+                        .then_some(p.fault_id)
+                })
+                .or_else(|| {
+                    let run = op.run_key()?;
+                    st.d.done_keys
+                        .contains(&run)
+                        .then(|| st.d.requeued.get(job_id).copied().unwrap_or(fault_id))
+                })
+        }
+        SlurmOp::Drain { .. } => {
+            st.d.pending
+                .iter()
+                .find_map(|p| matches!(p.op, SlurmOp::Drain { .. }).then_some(p.fault_id))
+        }
+    };
+    if let Some(earlier) = coalesced {
+        if let SlurmOp::Requeue { job_id, .. } = op {
+            push_outcome(
+                &mut st.d.outcomes,
+                job_id,
+                format!("fault {fault_id}: requeue already under way for fault {earlier}"),
+            );
+        }
         return;
     }
     st.d.pending.push(PendingAction {

@@ -541,12 +541,23 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
         }
         agent.mark_journaled()
     };
-    // Reply only once the registration is on disk: an agent crash right after loses nothing.
-    if !agent.wait_durable(gen) {
-        return Response::error(
-            ErrorCode::Internal,
-            "registration not yet persisted (state dir slow?)",
-        );
+    // Reply only once the registration is on disk: an agent crash right after loses nothing. A
+    // state directory that refuses writes (full, read-only) must not stop jobs from starting: the
+    // task is protected from memory, status says the disk fails, and it is written once it can be.
+    match agent.wait_durable_within(gen, Duration::from_secs(5)) {
+        crate::persister::Durability::Durable => {}
+        crate::persister::Durability::Failing => {
+            tracing::warn!(
+                job = r.job_id,
+                "registered in memory only: the state directory refuses writes"
+            );
+        }
+        crate::persister::Durability::Slow => {
+            return Response::error(
+                ErrorCode::Internal,
+                "registration not yet persisted (state dir slow?)",
+            );
+        }
     }
     Response::Registered {
         contexts: placed.iter().map(|p| context(agent, p)).collect(),
@@ -594,6 +605,7 @@ fn status(agent: &Agent, peer: PeerCred, trusted: bool) -> Response {
         gpus,
         tasks,
         pending_actions: pending,
+        persist_failing: agent.persister.failing(),
     })
 }
 

@@ -8,6 +8,13 @@ use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
+    #[error("encoding {what}: {source}")]
+    Encode {
+        what: &'static str,
+        source: serde_json::Error,
+    },
+    #[error("appending to the registry journal: {0}")]
+    Journal(std::io::Error),
     #[error("writing {path}: {source}")]
     Write {
         path: String,
@@ -25,6 +32,18 @@ pub enum PersistError {
     },
 }
 
+impl PersistError {
+    /// The OS error behind it (ENOSPC, EROFS, EIO, ...), when there is one.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            PersistError::Write { source, .. }
+            | PersistError::Read { source, .. }
+            | PersistError::Journal(source) => source.raw_os_error(),
+            PersistError::Encode { .. } | PersistError::Corrupt { .. } => None,
+        }
+    }
+}
+
 pub fn write_atomic<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), PersistError> {
     let body = serde_json::to_vec(value).map_err(|e| PersistError::Write {
         path: path.display().to_string(),
@@ -39,16 +58,20 @@ pub fn write_atomic_bytes(path: &Path, body: &[u8]) -> Result<(), PersistError> 
         source,
     };
     let tmp = path.with_extension("tmp");
-    {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(err)?;
-        f.write_all(body).map_err(err)?;
-        f.sync_all().map_err(err)?;
+    let written = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(body)?;
+            f.sync_all()
+        });
+    if let Err(e) = written {
+        // A half-written temporary file would hold the space a full disk needs for the next try.
+        let _ = fs::remove_file(&tmp);
+        return Err(err(e));
     }
     fs::rename(&tmp, path).map_err(err)?;
     if let Some(dir) = path.parent() {

@@ -3,7 +3,7 @@
 //! rewrites the state file.
 
 use crate::agent::{lock, Agent};
-use crate::persist;
+use crate::persist::{self, PersistError};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -17,6 +17,18 @@ pub struct Persister {
     history: AtomicBool,
     /// The telemetry log changed (its own file too).
     telemetry: AtomicBool,
+    /// Set while writes fail (disk full, read-only): shown in status, cleared by the next success.
+    failing: Mutex<Option<mpsr_proto::PersistFailure>>,
+}
+
+/// Whether a change reached the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    Durable,
+    /// The state directory refuses writes (see `Persister::failing`).
+    Failing,
+    /// Not yet written within the bound.
+    Slow,
 }
 
 /// A full state file after this many journal entries.
@@ -32,6 +44,36 @@ impl Persister {
             journal: Mutex::new(crate::journal::Journal::new(journal_path)),
             history: AtomicBool::new(false),
             telemetry: AtomicBool::new(false),
+            failing: Mutex::new(None),
+        }
+    }
+
+    /// Why the state directory refuses writes, while it does.
+    pub fn failing(&self) -> Option<mpsr_proto::PersistFailure> {
+        lock(&self.failing).clone()
+    }
+
+    fn record(&self, result: &Result<(), PersistError>) {
+        let mut f = lock(&self.failing);
+        match result {
+            Ok(()) => {
+                if let Some(was) = f.take() {
+                    tracing::warn!(
+                        since_ms = was.since_ms,
+                        "the state directory takes writes again"
+                    );
+                }
+            }
+            Err(e) => {
+                let since_ms = f
+                    .as_ref()
+                    .map_or_else(crate::event::now_ms, |was| was.since_ms);
+                *f = Some(mpsr_proto::PersistFailure {
+                    since_ms,
+                    errno: e.errno(),
+                    error: e.to_string(),
+                });
+            }
         }
     }
 
@@ -55,17 +97,19 @@ impl Agent {
     fn write_side_file(
         &self,
         flag: &AtomicBool,
-        name: &str,
+        name: &'static str,
         body: impl FnOnce(&crate::state::State) -> serde_json::Result<Vec<u8>>,
     ) {
         if !flag.swap(false, SeqCst) {
             return;
         }
         let body = body(&self.state());
-        if let Err(e) = body.map_err(|e| e.to_string()).and_then(|b| {
-            persist::write_atomic_bytes(&self.cfg.state_dir.join(name), &b)
-                .map_err(|e| e.to_string())
-        }) {
+        if let Err(e) = body
+            .map_err(|source| PersistError::Encode { what: name, source })
+            .and_then(|b| persist::write_atomic_bytes(&self.cfg.state_dir.join(name), &b))
+        {
+            // Written again with the next round.
+            flag.store(true, SeqCst);
             tracing::warn!(file = name, error = %e, "writing a side file failed");
         }
     }
@@ -87,23 +131,37 @@ impl Agent {
         g.0
     }
 
+    /// The generation of the latest change: waiting for it covers everything changed so far.
+    pub fn latest_gen(&self) -> u64 {
+        lock(&self.persister.gens).0
+    }
+
     /// Blocks until generation `gen` is on disk (bounded: a stuck disk must not hang callers forever).
     pub fn wait_durable(&self, gen: u64) -> bool {
+        self.wait_durable_within(gen, Duration::from_secs(5)) == Durability::Durable
+    }
+
+    /// Waits up to `bound` for generation `gen` to be on disk; returns at once when the state
+    /// directory is known to refuse writes (waiting would only delay what must happen anyway).
+    pub fn wait_durable_within(&self, gen: u64, bound: Duration) -> Durability {
         let mut g = lock(&self.persister.gens);
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + bound;
         while g.1 < gen {
+            if self.persister.failing().is_some() {
+                return Durability::Failing;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return false;
+                return Durability::Slow;
             }
             g = self
                 .persister
                 .cv
-                .wait_timeout(g, left)
+                .wait_timeout(g, left.min(Duration::from_millis(100)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        true
+        Durability::Durable
     }
 
     pub(crate) fn persist_now(&self) {
@@ -121,17 +179,18 @@ impl Agent {
                 st.journal_pending.clear();
                 serde_json::to_vec(&st.d)
             };
-            body.map_err(|e| e.to_string())
-                .and_then(|b| {
-                    persist::write_atomic_bytes(&self.state_file(), &b).map_err(|e| e.to_string())
-                })
-                .and_then(|_| journal.reset().map_err(|e| e.to_string()))
+            body.map_err(|source| PersistError::Encode {
+                what: "state.json",
+                source,
+            })
+            .and_then(|b| persist::write_atomic_bytes(&self.state_file(), &b))
+            .and_then(|_| journal.reset().map_err(PersistError::Journal))
         } else {
             let entries = std::mem::take(&mut self.state().journal_pending);
             if entries.is_empty() {
                 Ok(())
             } else {
-                journal.append(&entries).map_err(|e| e.to_string())
+                journal.append(&entries).map_err(PersistError::Journal)
             }
         };
         self.write_side_file(&self.persister.history, "history.json", |st| {
@@ -140,6 +199,7 @@ impl Agent {
         self.write_side_file(&self.persister.telemetry, "telemetry.json", |st| {
             serde_json::to_vec(&st.telemetry)
         });
+        self.persister.record(&result);
         match result {
             Ok(()) => {
                 let mut g = lock(&self.persister.gens);

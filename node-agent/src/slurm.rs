@@ -23,6 +23,20 @@ pub enum SlurmOp {
     },
 }
 
+impl SlurmOp {
+    /// The run of a job a requeue ends (job id and Slurm's restart count), when known: a done
+    /// requeue keeps it among the done keys so later faults of the same run add no second one.
+    pub fn run_key(&self) -> Option<String> {
+        match self {
+            SlurmOp::Requeue {
+                job_id,
+                restarts_before: Some(r),
+            } => Some(format!("run:{job_id}:{r}:requeued")),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PendingAction {
     /// `f<fault>:requeue:<job>` or `f<fault>:drain`.

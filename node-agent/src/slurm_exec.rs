@@ -32,6 +32,15 @@ impl Agent {
                         .0;
                 }
             };
+            // Write-ahead: the decision that queued it is on disk before Slurm is touched, so an
+            // agent killed in between finds the action after its restart (and verifies it, since
+            // it may have run). A disk that refuses writes delays the action by at most a second.
+            if next.fresh && next.attempts == 0 {
+                let d = self.wait_durable_within(self.latest_gen(), Duration::from_secs(1));
+                if d != crate::persister::Durability::Durable {
+                    tracing::warn!(key = %next.key, durability = ?d, "acting before the decision is on disk");
+                }
+            }
             let outcome = self
                 .slurm
                 .execute(&next.op, !next.fresh || next.attempts > 0);
@@ -63,6 +72,7 @@ impl Agent {
                 let ok = matches!(outcome, Outcome::Done(_));
                 if let (true, Some(j)) = (ok, job) {
                     st.d.note_requeued(j, next.fault_id);
+                    st.d.done_keys.extend(next.op.run_key());
                 }
                 if ok {
                     tracing::info!(key = %next.key, "{msg}");

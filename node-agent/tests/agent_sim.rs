@@ -3,6 +3,7 @@
 //! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
 
 use mpsr_proto::{Client, Mode, Registration, Request, Response};
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,8 @@ use std::time::{Duration, Instant};
 struct Env {
     dir: tempfile::TempDir,
     agent: Option<Child>,
+    /// Extra environment of the agent process (e.g. a faked wall clock).
+    agent_env: Vec<(String, String)>,
 }
 
 impl Env {
@@ -26,7 +29,9 @@ impl Env {
         let shim = d.join("scontrol");
         std::fs::write(
             &shim,
-            format!("#!/bin/sh\nL={}/scontrol.log\ncase \"$1 $2\" in\n  'show job') echo \"JobId=$3 JobState=RUNNING Restarts=$(grep -c \"^requeue $3\\$\" $L)\";;\n  'show node') echo 'NodeName=n1 State=IDLE ThreadsPerCore=1';;\n  *) echo \"$@\" >> $L;;\nesac\nexit 0\n", d.display()),
+            // `hold-before`: a requeue waits, then fails having done nothing; `hold-after`: it is
+            // done, then the call waits (an agent killed meanwhile never hears of it).
+            format!("#!/bin/sh\nD={}\nL=$D/scontrol.log\ncase \"$1 $2\" in\n  'show job') echo \"JobId=$3 JobState=RUNNING Restarts=$(grep -c \"^requeue $3\\$\" $L)\";;\n  'show node') echo 'NodeName=n1 State=IDLE ThreadsPerCore=1';;\n  'requeue '*)\n    if [ -e $D/hold-before ]; then touch $D/holding; while [ -e $D/hold-before ]; do sleep 0.05; done; exit 1; fi\n    echo \"$@\" >> $L\n    if [ -e $D/hold-after ]; then touch $D/holding; while [ -e $D/hold-after ]; do sleep 0.05; done; fi;;\n  *) echo \"$@\" >> $L;;\nesac\nexit 0\n", d.display()),
         )
         .unwrap();
         std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -39,7 +44,11 @@ impl Env {
             ),
         )
         .unwrap();
-        let mut e = Env { dir, agent: None };
+        let mut e = Env {
+            dir,
+            agent: None,
+            agent_env: Vec::new(),
+        };
         e.start_agent();
         e
     }
@@ -57,6 +66,7 @@ impl Env {
         let child = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
             .arg("--config")
             .arg(self.path().join("agent.toml"))
+            .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stderr(log)
             .spawn()
             .unwrap();
@@ -1510,4 +1520,311 @@ fn telemetry_names_a_straggler_and_drains_only_for_hardware() {
         .pathologies()
         .iter()
         .any(|p| p.finding.rule == RuleId::HwSlowdown && p.finding.state == FindingState::Cleared));
+}
+
+fn status(e: &Env) -> mpsr_proto::StatusReply {
+    match e.call(&Request::Status).unwrap() {
+        Response::Status(s) => s,
+        r => panic!("{r:?}"),
+    }
+}
+
+/// Chaos: the agent is SIGKILLed while a requeue it decided is under way, once before the
+/// requeue took effect and once after (but before the agent heard of it). Each job is requeued
+/// exactly once, by the restarted agent or by the killed one, never twice and never not at all.
+#[test]
+fn an_agent_killed_between_decision_and_action_requeues_exactly_once() {
+    let mut e = Env::new("");
+    let (holding, before, after) = (
+        e.path().join("holding"),
+        e.path().join("hold-before"),
+        e.path().join("hold-after"),
+    );
+    for (job, hold) in [(21u32, &before), (22, &after)] {
+        let _ = std::fs::remove_file(&holding);
+        std::fs::write(hold, "").unwrap();
+        let c = e.client(0, 60.0, false);
+        e.register(job, c.id(), &[0], Mode::Requeue, true);
+        e.inject(0, 43, None, None);
+        e.wait_for("the requeue call", |_| holding.exists());
+        e.kill_agent();
+        if hold == &before {
+            // The killed agent's call fails having done nothing.
+            std::fs::remove_file(hold).unwrap();
+        }
+        e.start_agent();
+        let want = format!("requeue {job}\n");
+        e.wait_for("the requeue after the restart", |e| {
+            e.scontrol_log().contains(&want) && status(e).pending_actions == 0
+        });
+        let _ = std::fs::remove_file(hold);
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(
+            e.scontrol_log().matches(&want).count(),
+            1,
+            "job {job} requeued once: {}",
+            e.scontrol_log()
+        );
+        let Response::Events { events, .. } = e.call(&Request::Events { limit: 100 }).unwrap()
+        else {
+            panic!()
+        };
+        assert!(
+            events.iter().any(|r| r.hit_jobs.contains(&job)),
+            "the decision survived the kill: {events:?}"
+        );
+    }
+}
+
+/// Unmounts a test's tmpfs even when the test fails.
+struct Mount(PathBuf);
+
+impl Mount {
+    fn tmpfs(at: &Path, size: &str) -> Option<Mount> {
+        std::fs::create_dir_all(at).unwrap();
+        let ok = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(at)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Mount(at.to_path_buf()))
+    }
+
+    fn remount(&self, opt: &str) {
+        let s = Command::new("mount")
+            .args(["-o", &format!("remount,{opt}")])
+            .arg(&self.0)
+            .status()
+            .unwrap();
+        assert!(s.success(), "remount {opt}");
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Chaos: the state directory fills up, then turns read-only. The agent keeps registering tasks
+/// and acting on faults from memory, says in status that the disk refuses writes (with the OS
+/// error), and writes everything once the disk takes it again: a restart then loses nothing.
+#[test]
+fn a_full_or_read_only_state_dir_loses_no_job_and_no_action() {
+    if !is_root() {
+        skip("needs root: mounts a small tmpfs as the state directory");
+        return;
+    }
+    let mut e = Env::new("");
+    e.kill_agent();
+    let state = e.path().join("state");
+    let Some(m) = Mount::tmpfs(&state, "512k") else {
+        skip("mount -t tmpfs failed (no CAP_SYS_ADMIN here)");
+        return;
+    };
+    e.start_agent();
+    let c1 = e.client(0, 60.0, false);
+    e.register(31, c1.id(), &[0], Mode::Requeue, true);
+    assert!(status(&e).persist_failing.is_none());
+
+    // Full: fill every free byte.
+    {
+        let mut f = std::fs::File::create(state.join("filler")).unwrap();
+        let chunk = vec![0u8; 4096];
+        while f.write_all(&chunk).is_ok() {}
+    }
+    let c2 = e.client(0, 60.0, false);
+    e.register(32, c2.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, None);
+    e.wait_for("both requeues on a full disk", |e| {
+        let l = e.scontrol_log();
+        l.contains("requeue 31\n") && l.contains("requeue 32\n")
+    });
+    e.wait_for("status naming ENOSPC", |e| {
+        status(e)
+            .persist_failing
+            .is_some_and(|f| f.errno == Some(libc::ENOSPC))
+    });
+    std::fs::remove_file(state.join("filler")).unwrap();
+    e.wait_for("the state written once there is room", |e| {
+        status(e).persist_failing.is_none()
+    });
+
+    // Read-only.
+    m.remount("ro");
+    let c3 = e.client(1, 60.0, false);
+    e.register(33, c3.id(), &[1], Mode::Requeue, true);
+    e.inject(1, 43, None, None);
+    e.wait_for("the requeue on a read-only disk", |e| {
+        e.scontrol_log().contains("requeue 33\n")
+    });
+    e.wait_for("status naming EROFS", |e| {
+        status(e)
+            .persist_failing
+            .is_some_and(|f| f.errno == Some(libc::EROFS))
+    });
+    m.remount("rw");
+    e.wait_for("the state written once writable", |e| {
+        status(e).persist_failing.is_none()
+    });
+
+    // A crash now loses nothing that happened while the disk refused writes.
+    e.kill_agent();
+    e.start_agent();
+    let s = status(&e);
+    let jobs: BTreeSet<u32> = s.tasks.iter().map(|t| t.job_id).collect();
+    assert!(jobs.is_superset(&[31, 32, 33].into()), "{jobs:?}");
+    let hit: BTreeSet<u32> = e.events().iter().flat_map(|r| r.hit_jobs.clone()).collect();
+    assert!(hit.is_superset(&[31, 32, 33].into()), "{hit:?}");
+    for j in [31, 32, 33] {
+        assert_eq!(
+            e.scontrol_log().matches(&format!("requeue {j}\n")).count(),
+            1
+        );
+    }
+    e.kill_agent();
+    drop(m);
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Chaos: a fault storm, 100 faults/s over both GPUs for 10 s, Xids of every class. Every
+/// job hit is requeued exactly once (one requeue per run however many faults hit it), the
+/// agent keeps answering, its history stays at its bound and its memory does not grow with the
+/// number of faults.
+#[test]
+fn a_fault_storm_acts_on_each_job_once_with_bounded_memory() {
+    let e = Env::new("history = 100\ncorrelation_window_ms = 5\n");
+    let agent_pid = e.agent.as_ref().unwrap().id();
+    let rss_before = rss_kib(agent_pid);
+    let mut procs = Vec::new();
+    let mut jobs = BTreeSet::new();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    // Four jobs per GPU (a server in FAULT refuses new clients, as measured, so they come first).
+    for gpu in 0..2u32 {
+        for k in 0..4 {
+            let job = 500 + 10 * gpu + k;
+            let c = e.client(gpu, 60.0, false);
+            e.register(job, c.id(), &[gpu], Mode::Requeue, true);
+            jobs.insert(job);
+            procs.push(c);
+        }
+    }
+    for i in 0..1000u32 {
+        // Mostly application faults; now and then a hardware one (double-bit ECC) that drains.
+        let xid = if i % 100 == 50 {
+            48
+        } else {
+            [43, 31, 13, 45][(i % 4) as usize]
+        };
+        let t = Instant::now();
+        e.inject(i % 2, xid, None, None);
+        slowest = slowest.max(t.elapsed());
+        // 100 per second.
+        let due = started + Duration::from_millis(10 * u64::from(i + 1));
+        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+    }
+    e.wait_for("every job requeued", |e| {
+        let l = e.scontrol_log();
+        jobs.iter().all(|j| l.contains(&format!("requeue {j}\n")))
+    });
+    e.wait_for("no action left", |e| status(e).pending_actions == 0);
+    let log = e.scontrol_log();
+    for j in &jobs {
+        assert_eq!(
+            log.matches(&format!("requeue {j}\n")).count(),
+            1,
+            "job {j} requeued once"
+        );
+    }
+    assert_eq!(
+        log.matches("State=DRAIN").count(),
+        1,
+        "one drain however many hardware faults: {log}"
+    );
+    let t = Instant::now();
+    let _ = status(&e);
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "status took {:?}",
+        t.elapsed()
+    );
+    let events = match e.call(&Request::Events { limit: 10_000 }).unwrap() {
+        Response::Events { events, .. } => events,
+        r => panic!("{r:?}"),
+    };
+    assert!(events.len() <= 100, "history bounded: {}", events.len());
+    let grown = rss_kib(agent_pid).saturating_sub(rss_before);
+    eprintln!(
+        "storm: {} decisions kept, {} jobs, RSS +{grown} KiB, slowest injection {slowest:?}",
+        events.len(),
+        jobs.len()
+    );
+    assert!(grown < 32 * 1024, "RSS grew {grown} KiB");
+}
+
+/// Chaos: the wall clock jumps a day ahead and then two days back under a running agent (libfaketime
+/// with the monotonic clock left alone, as an NTP step does). Fault correlation, grace periods and
+/// retries run on the monotonic clock: each fault is still decided and each job requeued once.
+#[test]
+fn a_wall_clock_jump_changes_no_decision() {
+    let lib = Path::new("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1");
+    if !lib.exists() {
+        skip("libfaketime is not installed (apt install faketime)");
+        return;
+    }
+    let mut e = Env::new("");
+    e.kill_agent();
+    let clock = e.path().join("faketime");
+    std::fs::write(&clock, "+0\n").unwrap();
+    e.agent_env = vec![
+        ("LD_PRELOAD".into(), lib.display().to_string()),
+        (
+            "FAKETIME_TIMESTAMP_FILE".into(),
+            clock.display().to_string(),
+        ),
+        ("FAKETIME_NO_CACHE".into(), "1".into()),
+        ("DONT_FAKE_MONOTONIC".into(), "1".into()),
+    ];
+    e.start_agent();
+    let day_ms: i64 = 86_400_000;
+    for (job, gpu, offset, shift) in [(41u32, 0u32, "+1d", day_ms), (42, 1, "-1d", -day_ms)] {
+        let c = e.client(gpu, 60.0, false);
+        e.register(job, c.id(), &[gpu], Mode::Requeue, true);
+        std::fs::write(&clock, format!("{offset}\n")).unwrap();
+        let before = mpsr_agent::event::now_ms() as i64;
+        e.inject(gpu, 43, None, None);
+        let want = format!("requeue {job}\n");
+        e.wait_for("the requeue after the jump", |e| {
+            e.scontrol_log().contains(&want)
+        });
+        let rec = e
+            .events()
+            .into_iter()
+            .find(|r| r.hit_jobs.contains(&job))
+            .expect("decided");
+        // Recorded on the agent's (jumped) wall clock, decided as fast as ever.
+        let skew = rec.at_ms as i64 - before - shift;
+        assert!(
+            skew.abs() < 60_000,
+            "at_ms off by {skew} ms from the jumped clock"
+        );
+        assert!(rec.decide_us < 5_000_000, "{rec:?}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(e.scontrol_log().matches(&want).count(), 1);
+    }
 }

@@ -348,6 +348,20 @@ pub struct StatusReply {
     pub gpus: Vec<GpuStatus>,
     pub tasks: Vec<TaskStatus>,
     pub pending_actions: u32,
+    /// Set while the agent cannot write its state directory (full, read-only): it keeps acting
+    /// from memory and retries; what it decided meanwhile is written once the disk takes it.
+    #[serde(default)]
+    pub persist_failing: Option<PersistFailure>,
+}
+
+/// The state directory has refused writes since `since_ms` (Unix ms).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistFailure {
+    pub since_ms: u64,
+    /// The OS error number of the last failed write, when there was one (ENOSPC, EROFS, ...).
+    pub errno: Option<i32>,
+    /// For people.
+    pub error: String,
 }
 
 /// One decision of the agent, as shown by `mpsrctl events`.

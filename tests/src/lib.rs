@@ -357,6 +357,7 @@ KillWait=2
 MinJobAge=600
 GresTypes=gpu,shard
 PlugStackConfig={t}/etc/plugstack.conf
+JobSubmitPlugins=lua
 Prolog={t}/etc/prolog.sh
 Epilog={t}/etc/epilog.sh
 {health}{nodes}PartitionName=debug Nodes={list} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
@@ -366,6 +367,11 @@ Epilog={t}/etc/epilog.sh
         );
         write_file(&self.conf, &conf, 0o644)?;
         write_file(&d.join("etc/gres.conf"), &gres, 0o644)?;
+        // The shipped submission check (beside slurm.conf, where slurmctld looks for it).
+        std::fs::copy(
+            repo_root().join("etc/job_submit.lua"),
+            d.join("etc/job_submit.lua"),
+        )?;
         self.write_plugstack(&self.opts.plugin_args.clone())?;
         let scripts_conf = format!(
             "MPSRCTL={t}/bin/mpsrctl\nMPSR_SOCKET={t}/%n/agent.sock\nMPSR_REPORT_DIR={t}/%n/reports\nexport SLURM_CONF={t}/etc/slurm.conf\n"

@@ -349,6 +349,25 @@ fn bad_input_is_refused_clearly() {
         .cmd_as("nobody", "sbatch --wrap true --mps-resilient=bogus")
         .unwrap();
     assert_fails(&out, "--mps-resilient=bogus");
+    // Protection without a GPU: refused at submission (etc/job_submit.lua), not at task start.
+    for cmd in [
+        "sbatch --wrap true --mps-resilient",
+        "srun -w n1 --mps-resilient true",
+    ] {
+        let out = c.cmd_as("nobody", cmd).unwrap();
+        assert_fails(&out, "asks for no GPU");
+    }
+    // With a GPU (shard or gpu GRES) the same check lets it through.
+    let out = c
+        .cmd_as(
+            "nobody",
+            "srun -w n1 --gres=shard:1 --mps-resilient echo accepted",
+        )
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("accepted"),
+        "{out:?}"
+    );
 
     // Unknown plugstack.conf key: named in the error, nothing runs.
     c.write_plugstack(&["bogus_key=1".into()]).unwrap();

@@ -161,6 +161,12 @@ impl DomainTable {
                     .join(", "),
             });
         }
+        // Wall clock, since quarantine outlives agent restarts; a clock stepped back must not
+        // stretch it past its configured length.
+        let longest = now_ms.saturating_add(policy.quarantine_ms);
+        for (_, until) in &mut self.quarantine {
+            *until = (*until).min(longest);
+        }
         self.quarantine.retain(|(_, until)| *until > now_ms);
         let quarantined = self
             .quarantine
@@ -267,8 +273,12 @@ impl DomainTable {
             if in_use(r.id) {
                 r.empty_since_ms = None;
             } else {
-                let since = *r.empty_since_ms.get_or_insert(now_ms);
-                if now_ms.saturating_sub(since) >= linger_ms {
+                let since = r.empty_since_ms.get_or_insert(now_ms);
+                // A clock stepped back: count the linger from now, not from a time still ahead.
+                if *since > now_ms {
+                    *since = now_ms;
+                }
+                if now_ms.saturating_sub(*since) >= linger_ms {
                     out.push(r.id);
                 }
             }
@@ -376,6 +386,37 @@ mod tests {
             e.to_string(),
             "isolation 'job' is not allowed on this node (allowed: shared)"
         );
+    }
+
+    #[test]
+    fn a_clock_stepped_back_stretches_neither_quarantine_nor_linger() {
+        let p = policy(4);
+        let hour = 3_600_000;
+        let mut t = DomainTable::default();
+        let day = 86_400_000;
+        assert!(t.quarantine(&p, 7, 100, day).is_some());
+        // The clock goes back an hour: still quarantined, but for quarantine_ms from now at most.
+        assert!(
+            t.place(&p, 0, 7, 100, None, (None, None), day - hour)
+                .unwrap()
+                .quarantined
+        );
+        let after = day - hour + p.quarantine_ms;
+        assert!(
+            !t.place(&p, 0, 7, 100, None, (None, None), after)
+                .unwrap()
+                .quarantined,
+            "over once quarantine_ms has passed on the new clock"
+        );
+        // An empty domain whose emptiness began "in the future" lingers linger_ms from now.
+        let q = t
+            .place(&p, 0, 8, 100, Some(Isolation::Job), (None, None), day)
+            .unwrap();
+        assert!(t.expired(|_| false, day, 1_000).is_empty());
+        assert!(t.expired(|_| false, day - hour, 1_000).is_empty());
+        assert!(t
+            .expired(|_| false, day - hour + 1_000, 1_000)
+            .contains(&q.id));
     }
 
     #[test]

@@ -344,6 +344,13 @@ fn print_human(r: &Response) {
                 );
             }
             println!("  pending Slurm actions: {}", s.pending_actions);
+            if let Some(f) = &s.persist_failing {
+                println!(
+                    "  STATE DIR REFUSES WRITES since {} ms ago: {} (acting from memory; written once it can be)",
+                    mpsr_agent::event::now_ms().saturating_sub(f.since_ms),
+                    f.error
+                );
+            }
         }
         Response::Events {
             events,
