@@ -12,6 +12,8 @@ bash scripts/install-deps.sh
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -q -- -D warnings
 cargo build --workspace --locked
+# Every binary renders its man page from its clap definition; a page that does not format fails.
+bash scripts/manpages.sh target/man
 # The plugin's Slurm >= 23.11 code path (automatic resume supervisor) must keep compiling although
 # this host's Slurm is older: type-check it against the installed header plus the 23.11 addition.
 CARGO_TARGET_DIR=target/compat-23.11 SLURM_INCLUDE_DIR="$PWD/spank-plugin/compat/slurm-23.11" \

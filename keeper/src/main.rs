@@ -10,76 +10,56 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const USAGE: &str =
-    "usage: mpsr-keeper --gpu N --socket PATH --agent-socket PATH --snapshot-dir DIR \
-[--backend cuda|host-sim] [--max-bytes-per-job SIZE] [--snapshot-interval-s N] [--stale-after-s N]";
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    /// Real GPU memory through the CUDA driver.
+    Cuda,
+    /// SIMULATED GPU memory in host RAM (tests, the demo).
+    HostSim,
+}
 
+/// Holds jobs' named GPU allocations outside MPS, one keeper per GPU.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "mpsr-keeper",
+    version,
+    about = "mps-resilient state keeper: holds jobs' named GPU allocations outside MPS",
+    long_about = "Started by the node agent, one per GPU (CUDA_VISIBLE_DEVICES=<uuid> and an empty CUDA_MPS_PIPE_DIRECTORY, so it is never an MPS client). Holds the named allocations jobs attach through libmpsr_state, so they survive client crashes and MPS server faults, and snapshots them to host files. Runs until killed or until its run directory is gone; survives agent restarts. Not started by hand on a production node."
+)]
 struct Args {
+    /// The GPU index this keeper serves.
+    #[arg(long)]
     gpu: u32,
+    /// Its socket (jobs' libmpsr_state connects here).
+    #[arg(long)]
     socket: PathBuf,
+    /// The node agent's socket (who may attach what is asked there).
+    #[arg(long)]
     agent_socket: PathBuf,
+    /// Where host snapshots go (a subdirectory per GPU).
+    #[arg(long)]
     snapshot_dir: PathBuf,
-    backend: String,
+    #[arg(long, value_enum, default_value_t = BackendKind::Cuda)]
+    backend: BackendKind,
+    /// Most bytes one job may keep (e.g. 64G).
+    #[arg(long = "max-bytes-per-job", value_name = "SIZE", default_value = "64G", value_parser = size)]
     quota: u64,
+    /// Snapshot every allocation every N seconds (0: only when asked).
+    #[arg(long = "snapshot-interval-s", value_name = "N", default_value_t = 0)]
     interval: u64,
+    /// Snapshot directories untouched this long are removed at start.
+    #[arg(long = "stale-after-s", value_name = "N", default_value_t = 86_400)]
     stale: u64,
 }
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        gpu: 0,
-        socket: PathBuf::new(),
-        agent_socket: PathBuf::new(),
-        snapshot_dir: PathBuf::new(),
-        backend: "cuda".into(),
-        quota: 64 << 30,
-        interval: 0,
-        stale: 86_400,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let v = it
-            .next()
-            .ok_or_else(|| format!("{k} needs a value\n{USAGE}"))?;
-        let num = |v: &str| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{k}: bad number '{v}'"))
-        };
-        match k.as_str() {
-            "--gpu" => a.gpu = num(&v)? as u32,
-            "--socket" => a.socket = v.into(),
-            "--agent-socket" => a.agent_socket = v.into(),
-            "--snapshot-dir" => a.snapshot_dir = v.into(),
-            "--backend" if v == "cuda" || v == "host-sim" => a.backend = v,
-            "--max-bytes-per-job" => {
-                a.quota =
-                    mpsr_proto::parse_size(&v).ok_or_else(|| format!("{k}: bad size '{v}'"))?
-            }
-            "--snapshot-interval-s" => a.interval = num(&v)?,
-            "--stale-after-s" => a.stale = num(&v)?,
-            _ => return Err(format!("unknown argument {k} {v}\n{USAGE}")),
-        }
-    }
-    if a.socket.as_os_str().is_empty()
-        || a.agent_socket.as_os_str().is_empty()
-        || a.snapshot_dir.as_os_str().is_empty()
-    {
-        return Err(format!(
-            "--socket, --agent-socket and --snapshot-dir are required\n{USAGE}"
-        ));
-    }
-    Ok(a)
+fn size(s: &str) -> Result<u64, String> {
+    mpsr_proto::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 64G)"))
 }
 
 fn main() -> std::process::ExitCode {
-    let a = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("mpsr-keeper: {e}");
-            return 2.into();
-        }
-    };
-    let dev: Box<dyn Device> = if a.backend == "host-sim" {
+    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
+    let a = <Args as clap::Parser>::parse();
+    let dev: Box<dyn Device> = if a.backend == BackendKind::HostSim {
         eprintln!(
             "mpsr-keeper gpu{}: SIMULATED GPU memory (host-sim backend)",
             a.gpu

@@ -1,17 +1,46 @@
-//! tracing to stderr (interactive, tests) or syslog (production; journald collects it).
+//! tracing to stderr (interactive, tests), journald (production: structured, each event's fields
+//! kept as journal fields) or syslog (hosts without journald).
 
-use crate::config::LogConfig;
+use crate::config::{LogConfig, LogTarget};
 use std::io::IsTerminal;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 pub fn init(cfg: &LogConfig, ident: &'static std::ffi::CStr) {
     let filter = EnvFilter::try_from_env("MPSR_LOG").unwrap_or_else(|_| EnvFilter::new(&cfg.level));
-    let to_syslog = match cfg.target.as_str() {
-        "syslog" => true,
-        "stderr" => false,
-        _ => !std::io::stderr().is_terminal() && std::env::var_os("INVOCATION_ID").is_some(),
+    let under_systemd =
+        !std::io::stderr().is_terminal() && std::env::var_os("INVOCATION_ID").is_some();
+    let (journald, syslog) = match cfg.target {
+        LogTarget::Journald => (true, true),
+        LogTarget::Syslog => (false, true),
+        LogTarget::Stderr => (false, false),
+        LogTarget::Auto => (under_systemd, under_systemd),
     };
-    if to_syslog {
+    if journald {
+        // Fields go as MPSR_<NAME> (journald names are upper case); the identifier as
+        // SYSLOG_IDENTIFIER, so `journalctl -t mpsr-agent` finds them.
+        match tracing_journald::layer() {
+            Ok(layer) => {
+                let layer = layer
+                    .with_field_prefix(Some("MPSR".into()))
+                    .with_syslog_identifier(ident.to_string_lossy().into_owned());
+                if tracing_subscriber::registry()
+                    .with(filter.clone())
+                    .with(layer)
+                    .try_init()
+                    .is_ok()
+                {
+                    return;
+                }
+            }
+            Err(e) => eprintln!(
+                "{}: journald unavailable ({e}); logging to syslog",
+                ident.to_string_lossy()
+            ),
+        }
+    }
+    if syslog {
         if let Some(sys) = syslog_tracing::Syslog::new(
             ident,
             syslog_tracing::Options::LOG_PID,

@@ -12,70 +12,49 @@ use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: mpsr-run [--max-restarts N] [--backoff-ms MS] [--settle-ms MS] [--wait-s S] -- COMMAND [ARGS...]";
-
-#[derive(Debug, Clone, PartialEq)]
+/// Runs COMMAND as a child; when a GPU fault ended it, restarts it in place once the GPU is ready.
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "mpsr-run",
+    version,
+    about = "mps-resilient resume supervisor: restarts a task hit by a GPU fault in place",
+    long_about = "Runs COMMAND as a child. When it dies abnormally, asks the node agent whether a GPU fault hit this task; if so, waits until the GPU's MPS server is ACTIVE again and restarts it in place (same Slurm task). A culprit, a lost GPU or a failure the agent knows nothing of ends the task with the child's status. Signals are forwarded to the child and stop further restarts. The child sees MPSR_RESTARTS (0 on the first run). On Slurm >= 23.11 the plugin inserts mpsr-run itself for --mps-resilient=resume.",
+    after_help = "Environment: MPSR_SOCKET (agent socket, default /run/mps-resilient/agent.sock), SLURM_JOB_ID, SLURM_STEP_ID (set by Slurm)."
+)]
 struct Opts {
+    /// Restarts at most this many times.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=1000))]
     max_restarts: u32,
+    /// Wait before the first restart (doubled for each further one, up to 64 times).
+    #[arg(long = "backoff-ms", value_name = "MS", default_value = "100", value_parser = millis)]
     backoff: Duration,
     /// How long an abnormal exit waits for the agent to attribute it to a fault.
+    #[arg(long = "settle-ms", value_name = "MS", default_value = "1500", value_parser = millis)]
     settle: Duration,
     /// How long to wait for the GPU's MPS server to be ACTIVE again.
+    #[arg(long = "wait-s", value_name = "S", default_value = "120", value_parser = secs)]
     wait: Duration,
+    /// The command and its arguments (after `--`, or from the first word that is not an option).
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     cmd: Vec<String>,
 }
 
-fn parse(args: &[String]) -> Result<Opts, String> {
-    let mut o = Opts {
-        max_restarts: 3,
-        backoff: Duration::from_millis(100),
-        settle: Duration::from_millis(1500),
-        wait: Duration::from_secs(120),
-        cmd: Vec::new(),
-    };
-    let mut i = 0;
-    let num = |v: Option<&String>, name: &str| -> Result<u64, String> {
-        v.and_then(|s| s.parse::<u64>().ok())
-            .ok_or_else(|| format!("{name} needs a non-negative number\n{USAGE}"))
-    };
-    while i < args.len() {
-        match args[i].as_str() {
-            "--" => {
-                o.cmd = args[i + 1..].to_vec();
-                break;
-            }
-            "--max-restarts" => {
-                o.max_restarts = num(args.get(i + 1), "--max-restarts")?.min(1000) as u32;
-                i += 1;
-            }
-            "--backoff-ms" => {
-                o.backoff = Duration::from_millis(num(args.get(i + 1), "--backoff-ms")?);
-                i += 1;
-            }
-            "--settle-ms" => {
-                o.settle = Duration::from_millis(num(args.get(i + 1), "--settle-ms")?);
-                i += 1;
-            }
-            "--wait-s" => {
-                o.wait = Duration::from_secs(num(args.get(i + 1), "--wait-s")?);
-                i += 1;
-            }
-            "-h" | "--help" => return Err(USAGE.into()),
-            other if other.starts_with('-') => {
-                return Err(format!("unknown option {other}\n{USAGE}"))
-            }
-            _ => {
-                // No "--": the rest is the command.
-                o.cmd = args[i..].to_vec();
-                break;
-            }
-        }
-        i += 1;
-    }
-    if o.cmd.is_empty() {
-        return Err(format!("no command given\n{USAGE}"));
-    }
-    Ok(o)
+fn millis(s: &str) -> Result<Duration, String> {
+    s.parse::<u64>()
+        .map(Duration::from_millis)
+        .map_err(|_| format!("'{s}' is not a number of milliseconds"))
+}
+
+fn secs(s: &str) -> Result<Duration, String> {
+    s.parse::<u64>()
+        .map(Duration::from_secs)
+        .map_err(|_| format!("'{s}' is not a number of seconds"))
+}
+
+#[cfg(test)]
+fn parse(args: &[String]) -> Result<Opts, clap::Error> {
+    use clap::Parser;
+    Opts::try_parse_from(std::iter::once("mpsr-run".to_string()).chain(args.iter().cloned()))
 }
 
 /// The task this supervisor belongs to, from Slurm's environment.
@@ -188,14 +167,9 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let o = match parse(&args) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("mpsr-run: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    mpsr_manpage::print_if_asked(<Opts as clap::CommandFactory>::command());
+    // clap prints usage errors (exit 2) and --help/--version (exit 0) itself.
+    let o = <Opts as clap::Parser>::parse();
     let task = task_from_env();
     if task.is_none() {
         eprintln!("mpsr-run: not inside a Slurm job (no SLURM_JOB_ID): running without resume");
@@ -292,6 +266,14 @@ mod tests {
         assert_eq!(o.cmd, a(&["app", "--x"]));
         let o = parse(&a(&["app", "-v"])).unwrap();
         assert_eq!(o.cmd, a(&["app", "-v"]));
+        assert_eq!(o.backoff, Duration::from_millis(100));
+        let o = parse(&a(&["--wait-s", "7", "--settle-ms", "20", "app"])).unwrap();
+        assert_eq!(
+            (o.wait, o.settle),
+            (Duration::from_secs(7), Duration::from_millis(20))
+        );
+        assert!(parse(&a(&[])).is_err());
+        assert!(parse(&a(&["--max-restarts", "1001", "a"])).is_err());
         assert!(parse(&a(&["--"])).is_err());
         assert!(parse(&a(&["--max-restarts"])).is_err());
         assert!(parse(&a(&["--max-restarts", "x", "--", "a"])).is_err());

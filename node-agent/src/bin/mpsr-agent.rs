@@ -20,6 +20,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
+    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
     let args = Args::parse();
     let cfg = match Config::load(&args.config) {
         Ok(c) => c,

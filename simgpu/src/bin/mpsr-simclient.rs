@@ -22,6 +22,7 @@ struct Args {
 }
 
 fn main() {
+    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
     let a = Args::parse();
     let Some(dir) = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY") else {
         eprintln!("mpsr-simclient: CUDA_MPS_PIPE_DIRECTORY is not set (not an MPS client context)");

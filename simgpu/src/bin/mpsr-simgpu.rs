@@ -27,6 +27,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
+    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
     let a = Args::parse();
     eprintln!(
         "mpsr-simgpu: {} SIMULATED GPUs under {} (pid {})",

@@ -2,19 +2,77 @@
 //! the demo, and checking a node by hand). Runs inside a job (MPSR_KEEPER_SOCKET set).
 //!
 //!   mpsr-statetool NAME BYTES [--fill B] [--verify B] [--checkpoint] [--hold SECS] [--release]
+//!
+//! The steps run in the order given (`--fill 3 --checkpoint --verify 3`).
 
+use clap::{Arg, ArgAction, ArgMatches, Command};
 use std::process::ExitCode;
 
-fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: mpsr-statetool NAME BYTES [--fill B] [--verify B] [--checkpoint] [--hold SECS] [--release]";
-    let (Some(name), Some(bytes)) = (
-        args.first(),
-        args.get(1).and_then(|b| mpsr_proto::parse_size(b)),
-    ) else {
-        eprintln!("{usage}");
-        return ExitCode::from(2);
+fn command() -> Command {
+    Command::new("mpsr-statetool")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("Attach, fill, verify and checkpoint GPU state kept by the mps-resilient keeper")
+        .long_about("Attaches the named allocation of BYTES (creating it, or getting back what the keeper kept across a fault or a requeue), then runs the steps in the order given. Runs inside a Slurm job whose tasks are registered with the agent (MPSR_KEEPER_SOCKET set by the plugin). Exit status 1 when a step fails (a --verify that finds other bytes included).")
+        .arg(Arg::new("name").value_name("NAME").required(true).help("Allocation name (per job)"))
+        .arg(
+            Arg::new("bytes")
+                .value_name("BYTES")
+                .required(true)
+                .value_parser(|v: &str| mpsr_proto::parse_size(v).ok_or(format!("'{v}' is not a size (e.g. 4M)")))
+                .help("Its size (e.g. 8M, 2G)"),
+        )
+        .arg(step("fill", "B", "Fill every byte with B (0-255)").value_parser(clap::value_parser!(u8)))
+        .arg(step("verify", "B", "Check every byte is B; fails otherwise").value_parser(clap::value_parser!(u8)))
+        .arg(Arg::new("checkpoint").long("checkpoint").action(ArgAction::Count).help("Snapshot it to the host now"))
+        .arg(step("hold", "SECS", "Keep it attached this long").value_parser(clap::value_parser!(f64)))
+        .arg(Arg::new("release").long("release").action(ArgAction::Count).help("Free it (the keeper forgets it)"))
+}
+
+fn step(name: &'static str, value: &'static str, help: &'static str) -> Arg {
+    Arg::new(name)
+        .long(name)
+        .value_name(value)
+        .action(ArgAction::Append)
+        .help(help)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Step {
+    Fill(u8),
+    Verify(u8),
+    Checkpoint,
+    Hold(f64),
+    Release,
+}
+
+/// The steps in the order they were given on the command line.
+fn steps(m: &ArgMatches) -> Vec<Step> {
+    let mut out: Vec<(usize, Step)> = Vec::new();
+    let mut valued = |id: &str, f: &dyn Fn(&ArgMatches, usize) -> Step| {
+        if let Some(ix) = m.indices_of(id) {
+            out.extend(ix.enumerate().map(|(n, i)| (i, f(m, n))));
+        }
     };
+    valued("fill", &|m, n| {
+        Step::Fill(*m.get_many::<u8>("fill").unwrap().nth(n).unwrap())
+    });
+    valued("verify", &|m, n| {
+        Step::Verify(*m.get_many::<u8>("verify").unwrap().nth(n).unwrap())
+    });
+    valued("hold", &|m, n| {
+        Step::Hold(*m.get_many::<f64>("hold").unwrap().nth(n).unwrap())
+    });
+    valued("checkpoint", &|_, _| Step::Checkpoint);
+    valued("release", &|_, _| Step::Release);
+    out.sort_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, s)| s).collect()
+}
+
+fn main() -> ExitCode {
+    mpsr_manpage::print_if_asked(command());
+    let m = command().get_matches();
+    let name = m.get_one::<String>("name").expect("required").as_str();
+    let bytes = *m.get_one::<u64>("bytes").expect("required");
     let a = match mpsr_state::attach(name, bytes) {
         Ok(a) => a,
         Err(e) => {
@@ -26,57 +84,84 @@ fn main() -> ExitCode {
         "attached {name} {} bytes origin={:?} kind={:?}",
         a.bytes, a.origin, a.kind
     );
-    let mut it = args[2..].iter();
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "--fill" | "--verify" => {
-                let Some(b) = it.next().and_then(|v| v.parse::<u8>().ok()) else {
-                    eprintln!("{flag} needs a byte value 0-255\n{usage}");
-                    return ExitCode::from(2);
-                };
-                if flag == "--fill" {
-                    if let Err(e) = mpsr_state::fill(name, b) {
-                        eprintln!("mpsr-statetool: fill: {e}");
-                        return ExitCode::from(1);
-                    }
-                    println!("filled {name} with {b}");
-                } else {
-                    match mpsr_state::verify(name, b) {
-                        Ok(true) => println!("verified {name}: every byte is {b}"),
-                        Ok(false) => {
-                            println!("VERIFY FAILED {name}: not every byte is {b}");
-                            return ExitCode::from(1);
-                        }
-                        Err(e) => {
-                            eprintln!("mpsr-statetool: verify: {e}");
-                            return ExitCode::from(1);
-                        }
-                    }
+    for step in steps(&m) {
+        match step {
+            Step::Fill(b) => {
+                if let Err(e) = mpsr_state::fill(name, b) {
+                    eprintln!("mpsr-statetool: fill: {e}");
+                    return ExitCode::from(1);
                 }
+                println!("filled {name} with {b}");
             }
-            "--checkpoint" => match mpsr_state::checkpoint(Some(name)) {
+            Step::Verify(b) => match mpsr_state::verify(name, b) {
+                Ok(true) => println!("verified {name}: every byte is {b}"),
+                Ok(false) => {
+                    println!("VERIFY FAILED {name}: not every byte is {b}");
+                    return ExitCode::from(1);
+                }
+                Err(e) => {
+                    eprintln!("mpsr-statetool: verify: {e}");
+                    return ExitCode::from(1);
+                }
+            },
+            Step::Checkpoint => match mpsr_state::checkpoint(Some(name)) {
                 Ok((b, ms)) => println!("checkpointed {name}: {b} bytes in {ms} ms"),
                 Err(e) => {
                     eprintln!("mpsr-statetool: checkpoint: {e}");
                     return ExitCode::from(1);
                 }
             },
-            "--hold" => {
-                let s = it.next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(1.0);
-                std::thread::sleep(std::time::Duration::from_secs_f64(s));
-            }
-            "--release" => {
+            Step::Hold(s) => std::thread::sleep(std::time::Duration::from_secs_f64(s.max(0.0))),
+            Step::Release => {
                 if let Err(e) = mpsr_state::release(name) {
                     eprintln!("mpsr-statetool: release: {e}");
                     return ExitCode::from(1);
                 }
                 println!("released {name}");
             }
-            other => {
-                eprintln!("unknown flag {other}\n{usage}");
-                return ExitCode::from(2);
-            }
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_keep_their_order() {
+        let m = command().get_matches_from([
+            "mpsr-statetool",
+            "x",
+            "4M",
+            "--fill",
+            "3",
+            "--checkpoint",
+            "--verify",
+            "3",
+            "--hold",
+            "0.5",
+            "--fill",
+            "4",
+            "--release",
+        ]);
+        assert_eq!(
+            steps(&m),
+            vec![
+                Step::Fill(3),
+                Step::Checkpoint,
+                Step::Verify(3),
+                Step::Hold(0.5),
+                Step::Fill(4),
+                Step::Release
+            ]
+        );
+        assert_eq!(*m.get_one::<u64>("bytes").unwrap(), 4 << 20);
+        assert!(command()
+            .try_get_matches_from(["mpsr-statetool", "x", "lots"])
+            .is_err());
+        assert!(command()
+            .try_get_matches_from(["mpsr-statetool", "x", "1M", "--fill", "256"])
+            .is_err());
+    }
 }

@@ -159,6 +159,7 @@ enum SimCmd {
 const HIT_EXIT: u8 = 4;
 
 fn main() -> std::process::ExitCode {
+    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
     let a = Args::parse();
     let timeout = Duration::from_millis(a.timeout_ms);
     match &a.cmd {
