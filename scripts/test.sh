@@ -13,17 +13,28 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -q -- -D warnings
 cargo build --workspace --locked
 # Every binary renders its man page from its clap definition; a page that does not format fails.
-bash scripts/manpages.sh target/man
+MPSR_BIN_DIR=target/debug bash scripts/manpages.sh target/man
 # The plugin's Slurm >= 23.11 code path (automatic resume supervisor) must keep compiling although
 # this host's Slurm is older: type-check it against the installed header plus the 23.11 addition.
 CARGO_TARGET_DIR=target/compat-23.11 SLURM_INCLUDE_DIR="$PWD/spank-plugin/compat/slurm-23.11" \
   cargo check --locked -q -p mpsr-spank
+# The Debian packages: built (from the debug build: only their contents are checked here) and
+# installed with dpkg into an empty root (no Slurm there: dependencies are not resolved); the
+# real-Slurm e2e tests then run the installed files, not the build.
+MPSR_DEB_PROFILE=debug bash scripts/build-debs.sh target/debian
+deb_root="$PWD/target/deb-root"
+rm -rf "$deb_root"
+mkdir -p "$deb_root/var/lib/dpkg/info" "$deb_root/var/lib/dpkg/updates"
+touch "$deb_root/var/lib/dpkg/status"
+dpkg --root="$deb_root" --force-depends -i target/debian/*.deb >/dev/null 2>&1 ||
+  { echo "test: installing the packages into $deb_root failed" >&2; exit 1; }
+export MPSR_INSTALLED_ROOT="$deb_root"
 # Tests that cannot run here say why in this file; they are listed at the end, not counted as passed.
 export MPSR_SKIP_LOG="$PWD/target/skipped-tests.txt"
 rm -f "$MPSR_SKIP_LOG"
 if [ "$(id -u)" -ne 0 ]; then
   echo "test: the real-Slurm tests need root; running cargo test under sudo"
-  sudo -E env "PATH=$PATH" "MPSR_SKIP_LOG=$MPSR_SKIP_LOG" cargo test --workspace --locked
+  sudo -E env "PATH=$PATH" "MPSR_SKIP_LOG=$MPSR_SKIP_LOG" "MPSR_INSTALLED_ROOT=$MPSR_INSTALLED_ROOT" cargo test --workspace --locked
 else
   cargo test --workspace --locked
 fi

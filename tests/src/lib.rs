@@ -75,6 +75,42 @@ pub struct Cluster {
 }
 
 /// The build output directory holding the workspace's binaries (target/debug or target/release).
+/// Where a test cluster takes the product's files from: the build, or (`MPSR_INSTALLED_ROOT`, set
+/// by the test command) a root the Debian packages were installed into, so that the e2e tests run
+/// what a site installs.
+struct Sources {
+    bin: PathBuf,
+    plugin: PathBuf,
+    scripts: PathBuf,
+    job_submit: PathBuf,
+}
+
+impl Sources {
+    fn find() -> Result<Sources> {
+        if let Some(r) = std::env::var_os("MPSR_INSTALLED_ROOT") {
+            let r = PathBuf::from(r);
+            let plugin = std::fs::read_dir(r.join("usr/lib"))?
+                .flatten()
+                .map(|d| d.path().join("slurm-wlm/mps_resilient.so"))
+                .find(|p| p.exists())
+                .ok_or_else(|| err(format!("no mps_resilient.so under {}/usr/lib", r.display())))?;
+            return Ok(Sources {
+                bin: r.join("usr/bin"),
+                plugin,
+                scripts: r.join("usr/libexec/mps-resilient"),
+                job_submit: r.join("usr/share/mps-resilient/job_submit.lua"),
+            });
+        }
+        let build = build_dir()?;
+        Ok(Sources {
+            plugin: build.join(PLUGIN_SO),
+            bin: build,
+            scripts: repo_root().join("scripts/slurm"),
+            job_submit: repo_root().join("etc/job_submit.lua"),
+        })
+    }
+}
+
 pub fn build_dir() -> Result<PathBuf> {
     if let Ok(d) = std::env::var("MPSR_BUILD_DIR") {
         return Ok(d.into());
@@ -228,7 +264,7 @@ impl Cluster {
                 missing.join(", ")
             )));
         }
-        let build = build_dir()?;
+        let src = Sources::find()?;
         let base = std::env::var("MPSR_CLUSTER_BASE").unwrap_or_else(|_| "/tmp".into());
         let dir = PathBuf::from(base).join(format!(
             "mpsr-cluster.{}.{}",
@@ -250,25 +286,26 @@ impl Cluster {
             agents: BTreeMap::new(),
             keep: std::env::var_os("MPSR_KEEP").is_some(),
         };
-        c.prepare(&build)?;
+        c.prepare(&src)?;
         c.start_daemons()?;
         Ok(c)
     }
 
-    fn prepare(&mut self, build: &Path) -> Result<()> {
+    fn prepare(&mut self, src: &Sources) -> Result<()> {
         let d = &self.dir;
         for sub in ["bin", "etc", "spool", "log", "munge", "dev"] {
             mkdir(&d.join(sub), 0o755)?;
         }
         mkdir(&d.join("jobs"), 0o1777)?;
         for b in BINARIES {
-            std::fs::copy(build.join(b), self.bin.join(b))
+            std::fs::copy(src.bin.join(b), self.bin.join(b))
                 .map_err(|e| err(format!("copying {b}: {e}")))?;
         }
-        std::fs::copy(build.join(PLUGIN_SO), self.bin.join("mps_resilient.so"))?;
+        std::fs::copy(&src.plugin, self.bin.join("mps_resilient.so"))?;
         for s in SCRIPTS {
-            std::fs::copy(repo_root().join("scripts/slurm").join(s), self.bin.join(s))?;
+            std::fs::copy(src.scripts.join(s), self.bin.join(s))?;
         }
+        std::fs::copy(&src.job_submit, self.dir.join("etc/job_submit.lua"))?;
         // Fake GPU device nodes: Slurm's gres/gpu wants character devices to number them.
         for n in &self.opts.nodes {
             mkdir(&d.join(n), 0o755)?;
@@ -367,11 +404,6 @@ Epilog={t}/etc/epilog.sh
         );
         write_file(&self.conf, &conf, 0o644)?;
         write_file(&d.join("etc/gres.conf"), &gres, 0o644)?;
-        // The shipped submission check (beside slurm.conf, where slurmctld looks for it).
-        std::fs::copy(
-            repo_root().join("etc/job_submit.lua"),
-            d.join("etc/job_submit.lua"),
-        )?;
         self.write_plugstack(&self.opts.plugin_args.clone())?;
         let scripts_conf = format!(
             "MPSRCTL={t}/bin/mpsrctl\nMPSR_SOCKET={t}/%n/agent.sock\nMPSR_REPORT_DIR={t}/%n/reports\nexport SLURM_CONF={t}/etc/slurm.conf\n"

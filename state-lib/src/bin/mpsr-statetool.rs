@@ -49,6 +49,10 @@ enum Step {
 fn steps(m: &ArgMatches) -> Vec<Step> {
     let mut out: Vec<(usize, Step)> = Vec::new();
     let mut valued = |id: &str, f: &dyn Fn(&ArgMatches, usize) -> Step| {
+        // Only what was typed: a flag's default (a count of 0) has an index too.
+        if m.value_source(id) != Some(clap::parser::ValueSource::CommandLine) {
+            return;
+        }
         if let Some(ix) = m.indices_of(id) {
             out.extend(ix.enumerate().map(|(n, i)| (i, f(m, n))));
         }
@@ -157,6 +161,10 @@ mod tests {
             ]
         );
         assert_eq!(*m.get_one::<u64>("bytes").unwrap(), 4 << 20);
+        let only_fill = command().get_matches_from(["mpsr-statetool", "x", "8M", "--fill", "9"]);
+        assert_eq!(steps(&only_fill), vec![Step::Fill(9)]);
+        let none = command().get_matches_from(["mpsr-statetool", "x", "8M"]);
+        assert!(steps(&none).is_empty());
         assert!(command()
             .try_get_matches_from(["mpsr-statetool", "x", "lots"])
             .is_err());
