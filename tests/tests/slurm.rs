@@ -605,6 +605,64 @@ fn a_requeue_while_slurmctld_is_down_is_done_once_it_is_back() {
     assert_eq!(c.agent_status("n1").unwrap().pending_actions, 0);
 }
 
+/// Chaos: a fault storm on real Slurm, 100 simulated faults/s over both GPUs of a node for 10 s.
+/// Each protected job there is requeued exactly once (Slurm's own restart count says so), none is
+/// lost, the node is not drained (application faults only) and the agent still answers.
+#[test]
+fn a_fault_storm_requeues_each_job_once() {
+    let Some((_g, c)) = cluster(Options {
+        // Requeued jobs come back only after the storm.
+        cred_expire_s: 30,
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let jobs: Vec<u32> = (0..4)
+        .map(|_| {
+            let id = c
+                .sbatch(
+                    "nobody",
+                    "-w n1 --gres=shard:1 --mps-resilient",
+                    &client_script(300, 1),
+                )
+                .unwrap();
+            c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+            c.wait_registered("n1", id, 1).unwrap();
+            id
+        })
+        .collect();
+    let started = Instant::now();
+    for i in 0..1000u32 {
+        let _ = c.inject("n1", i % 2, [31, 43, 13][(i % 3) as usize]);
+        let due = started + Duration::from_millis(10 * u64::from(i + 1));
+        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+    }
+    let storm = started.elapsed();
+    assert!(
+        c.agent_status("n1").is_ok(),
+        "the agent answers after the storm"
+    );
+    for id in &jobs {
+        wait_for(&format!("job {id} requeued"), LONG, || {
+            (c.job_field(*id, "Restarts") == "1").then_some(())
+        })
+        .unwrap();
+    }
+    for id in &jobs {
+        c.wait_job_state(*id, &["COMPLETED"], LONG).unwrap();
+        assert_eq!(
+            c.job_field(*id, "Restarts"),
+            "1",
+            "job {id} requeued exactly once"
+        );
+    }
+    assert!(not_drained(&c, "n1"));
+    println!(
+        "storm: 1000 faults in {storm:?}; {} jobs requeued once each",
+        jobs.len()
+    );
+}
+
 /// A job spanning two nodes: a fault on one node's GPU requeues the whole job.
 #[test]
 fn multi_node_job_is_requeued_as_a_whole() {
