@@ -103,7 +103,10 @@ impl Sources {
         }
         let build = build_dir()?;
         Ok(Sources {
-            plugin: build.join(PLUGIN_SO),
+            // A plugin built against another Slurm release's spank.h (for MPSR_SLURM_ROOT).
+            plugin: std::env::var_os("MPSR_PLUGIN_SO")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| build.join(PLUGIN_SO)),
             bin: build,
             scripts: repo_root().join("scripts/slurm"),
             job_submit: repo_root().join("etc/job_submit.lua"),
@@ -163,7 +166,32 @@ pub fn missing_prerequisites() -> Vec<String> {
     out
 }
 
+/// A root directory holding another Slurm release (`MPSR_SLURM_ROOT`, e.g. Debian trixie's 24.11
+/// made by scripts/slurm-root.sh): munged, slurmctld, slurmd and every Slurm command then run in it
+/// (chroot, with /proc, /sys, /dev and /tmp bound in); the agents stay on the host.
+pub fn slurm_root() -> Option<PathBuf> {
+    std::env::var_os("MPSR_SLURM_ROOT").map(PathBuf::from)
+}
+
+/// A command for a Slurm-side program: run in the Slurm root when there is one.
+fn slurm_side(prog: impl AsRef<std::ffi::OsStr>) -> Command {
+    match slurm_root() {
+        Some(r) => {
+            let mut c = Command::new("chroot");
+            c.arg(r).arg(prog);
+            c
+        }
+        None => Command::new(prog),
+    }
+}
+
 pub fn which(bin: &str) -> Option<PathBuf> {
+    if let Some(r) = slurm_root() {
+        return ["usr/sbin", "usr/bin", "sbin", "bin"]
+            .iter()
+            .map(|d| Path::new("/").join(d).join(bin))
+            .find(|p| r.join(p.strip_prefix("/").unwrap()).is_file());
+    }
     let path = std::env::var("PATH").unwrap_or_default();
     let found = path
         .split(':')
@@ -447,6 +475,19 @@ Epilog={t}/etc/epilog.sh
 
     fn write_agent_config(&self, node: &str) -> Result<()> {
         let t = self.dir.display();
+        // The agent (on the host) runs the Slurm root's scontrol when there is one.
+        let scontrol = match slurm_root() {
+            Some(r) => {
+                let w = self.bin.join("scontrol-in-root");
+                write_file(
+                    &w,
+                    &format!("#!/bin/sh\nexec chroot {} scontrol \"$@\"\n", r.display()),
+                    0o755,
+                )?;
+                w.display().to_string()
+            }
+            None => "scontrol".into(),
+        };
         let cfg = format!(
             "backend = \"sim\"
 socket = \"{t}/{node}/agent.sock\"
@@ -457,7 +498,7 @@ node_name = \"{node}\"
 target = \"stderr\"
 level = \"info\"
 [slurm]
-scontrol = \"scontrol\"
+scontrol = \"{scontrol}\"
 slurm_conf = \"{t}/etc/slurm.conf\"
 timeout_ms = 5000
 [mps]
@@ -489,7 +530,7 @@ gpus = {}
         let munged = which("munged").ok_or_else(|| err("munged not found"))?;
         let m = self.spawn(
             "munged",
-            Command::new(munged).args([
+            slurm_side(munged).args([
                 "-F",
                 "--force",
                 &format!("--socket={}/munge/munge.sock", d.display()),
@@ -510,7 +551,7 @@ gpus = {}
         for n in self.opts.nodes.clone() {
             let sd = self.spawn(
                 &format!("slurmd.{n}"),
-                Command::new(which("slurmd").ok_or_else(|| err("slurmd not found"))?)
+                slurm_side(which("slurmd").ok_or_else(|| err("slurmd not found"))?)
                     .args(["-D", "-N", &n, "-f"])
                     .arg(&self.conf),
             )?;
@@ -533,7 +574,7 @@ gpus = {}
     pub fn start_slurmctld(&mut self) -> Result<()> {
         let ctld = self.spawn(
             "slurmctld",
-            Command::new(which("slurmctld").ok_or_else(|| err("slurmctld not found"))?)
+            slurm_side(which("slurmctld").ok_or_else(|| err("slurmctld not found"))?)
                 .args(["-D", "-i", "-f"])
                 .arg(&self.conf),
         )?;
@@ -620,7 +661,7 @@ gpus = {}
 
     /// A shell command with this cluster's SLURM_CONF and binaries on PATH, as root.
     pub fn cmd(&self, script: &str) -> Result<Output> {
-        Ok(Command::new("/bin/sh")
+        Ok(slurm_side("/bin/sh")
             .arg("-c")
             .arg(script)
             .env("SLURM_CONF", &self.conf)
@@ -648,7 +689,7 @@ gpus = {}
             self.path(),
             self.jobs().display()
         );
-        Ok(Command::new("su")
+        Ok(slurm_side("su")
             .args(["-s", "/bin/sh", user, "-c", &full])
             .stdin(Stdio::null())
             .output()?)
@@ -665,11 +706,11 @@ gpus = {}
             self.jobs().display()
         );
         let mut c = if user == "root" {
-            let mut c = Command::new("/bin/sh");
+            let mut c = slurm_side("/bin/sh");
             c.arg("-c").arg(&full);
             c
         } else {
-            let mut c = Command::new("su");
+            let mut c = slurm_side("su");
             c.args(["-s", "/bin/sh", user, "-c", &full]);
             c
         };

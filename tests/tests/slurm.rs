@@ -151,13 +151,49 @@ fn resume_restarts_an_srun_task_in_place() {
     let Some((_g, c)) = cluster(Options::default()) else {
         return;
     };
+    resume_case(&c, "mpsr-run -- ");
+}
+
+/// Slurm >= 23.11: resume mode works without the user typing `mpsr-run --`: the plugin inserts
+/// the supervisor itself (spank_prepend_task_argv). Run on Slurm 24.11 by the test command.
+#[test]
+fn resume_needs_no_typed_supervisor_where_slurm_can_insert_it() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let v = c.cmd("scontrol -V").unwrap();
+    let v = String::from_utf8_lossy(&v.stdout).to_string();
+    let release: Vec<u32> = v
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or("")
+        .split('.')
+        .take(2)
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    if release < vec![23, 11] {
+        skip(&format!(
+            "Slurm {} cannot insert mpsr-run (needs 23.11; the test command runs this on 24.11)",
+            v.trim()
+        ));
+        return;
+    }
+    let bin = c.jobs().parent().unwrap().join("bin/mpsr-run");
+    c.write_plugstack(&[format!("supervisor={}", bin.display())])
+        .unwrap();
+    resume_case(&c, "");
+}
+
+/// A resume-mode srun step hit by a fault restarts in place and finds its kept state; `prefix`
+/// is what the user types before the command (`mpsr-run -- ` or nothing).
+fn resume_case(c: &Cluster, prefix: &str) {
     let out = c.jobs().join("srun-resume.out");
     let mut srun = c
         .spawn_as(
             "nobody",
             // The first attempt keeps its "model" in the GPU's state keeper; the restarted one
             // finds it there instead of loading it again.
-            "srun -u -w n1 --gres=shard:1 --mps-resilient=resume mpsr-run -- sh -c 'echo attempt $MPSR_RESTARTS; if [ $MPSR_RESTARTS = 0 ]; then mpsr-statetool model 8M --fill 9 || exit 1; else mpsr-statetool model 8M --verify 9 || exit 1; fi; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'",
+            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume {prefix}sh -c 'echo attempt $MPSR_RESTARTS; if [ $MPSR_RESTARTS = 0 ]; then mpsr-statetool model 8M --fill 9 || exit 1; else mpsr-statetool model 8M --verify 9 || exit 1; fi; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'"),
             &out,
         )
         .unwrap();
