@@ -43,6 +43,14 @@ int mpsr_isolate_format(char *buf, size_t len, const struct mpsr_isolate_fault *
  * control, non-ASCII) replaced by '_'; `out` has MPSR_COMM_MAX bytes. */
 void mpsr_isolate_sanitize_comm(char *out, const char *comm);
 
+/* Whether a cancelled fault names a culprit: it was fatal in itself (a global cancel also cancels
+ * faults that were not) and its reason was the process's own access (not OOM or an internal
+ * error of the driver). */
+static inline int mpsr_isolate_attributable(int is_fatal, int own_access)
+{
+	return is_fatal && own_access;
+}
+
 /* Token bucket for the lines of the whole module: at most `burst` at once, one more per
  * `interval_ns`. The caller serializes calls (a spinlock in the kernel). */
 struct mpsr_rate {

@@ -7,7 +7,8 @@
  *
  *   NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=N contained=0 engine=... comm=...
  *
- * for the node agent (node-agent/src/kmsg.rs). Off unless uvm_mpsr_attribution=1.
+ * for the node agent (node-agent/src/kmsg.rs), with contained=1 when uvm_mpsr_contain.c mapped the
+ * fault instead. Off unless uvm_mpsr_attribution=1.
  * SPDX-License-Identifier: MIT */
 #include "uvm_mpsr.h"
 
@@ -36,11 +37,33 @@ static DEFINE_SPINLOCK(mpsr_rate_lock);
 static struct mpsr_rate mpsr_rate;
 static int mpsr_rate_ready;
 
+/* The fault's reason is the process's own access (a wild or forbidden address), not the
+ * driver's state (OOM, an internal error) that makes it cancel a whole batch. */
+static int own_access(UvmEventFatalReason reason)
+{
+	switch (reason) {
+	case UvmEventFatalReasonInvalidAddress:
+	case UvmEventFatalReasonInvalidPermissions:
+	case UvmEventFatalReasonInvalidFaultType:
+	case UvmEventFatalReasonInvalidOperation:
+		return 1;
+	default:
+		return 0;
+	}
+}
+
+bool uvm_mpsr_attribution_enabled(void)
+{
+	return uvm_mpsr_attribution != 0;
+}
+
 void uvm_mpsr_va_space_init(uvm_mpsr_va_space_t *m)
 {
 	m->tgid = task_tgid_nr(current);
 	get_task_comm(m->comm, current);
 	m->reported = 0;
+	m->budget.used = 0;
+	m->budget.failed = 0;
 }
 
 void uvm_mpsr_report_fatal(uvm_parent_gpu_t *parent_gpu, uvm_va_space_t *va_space,
@@ -53,8 +76,11 @@ void uvm_mpsr_report_fatal(uvm_parent_gpu_t *parent_gpu, uvm_va_space_t *va_spac
 
 	if (!uvm_mpsr_attribution || !va_space || !entry || !parent_gpu || !parent_gpu->pci_dev)
 		return;
-	/* Once per VA space: the first fatal fault is the one that names the culprit. */
-	if (test_and_set_bit(0, &va_space->mpsr.reported))
+	if (!mpsr_isolate_attributable(entry->is_fatal, own_access(entry->fatal_reason)))
+		return;
+	/* Once per VA space and outcome: the first fatal fault is the one that names the culprit;
+	 * a contained culprit whose containment runs out is named once more, not contained. */
+	if (test_and_set_bit(mpsr_report_bit(contained), &va_space->mpsr.reported))
 		return;
 
 	spin_lock_irqsave(&mpsr_rate_lock, flags);

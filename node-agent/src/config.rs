@@ -197,8 +197,10 @@ pub struct FaultConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct SimConfig {
     pub gpus: u32,
-    /// Model the driver patch: memory faults are contained to the culprit and an isolation line names it.
-    pub isolation: bool,
+    /// The driver patch the simulated kernel module carries: `off`, `attribution` (an isolation
+    /// line names the culprit of an Xid 31, the fault kills as before) or `containment` (the
+    /// culprit's MMU fault is contained: the line alone, nobody else notices).
+    pub driver_patch: mpsr_simgpu::DriverPatch,
     /// Time for a FAULT server to become ACTIVE after its last faulting client left (measured ~0.2 s).
     pub recovery_ms: u64,
 }
@@ -314,7 +316,7 @@ impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
             gpus: 2,
-            isolation: false,
+            driver_patch: mpsr_simgpu::DriverPatch::Off,
             recovery_ms: 200,
         }
     }

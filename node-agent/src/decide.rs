@@ -113,7 +113,7 @@ pub fn decide(
         .and_then(&owner_of)
         .filter(|j| domain_of_job(*j).is_some())
         .filter(|_| policy.radius != BlastRadius::None);
-    let isolated = named.filter(|_| policy.isolatable && ev.contained);
+    let isolated = named.filter(|_| policy.isolatable && ev.contained());
     let mut awaiting_domain = false;
     let mut culprit = named.map(|j| (j, CulpritEvidence::Isolation));
     let hit_domains: BTreeSet<DomainId> = match (policy.radius, isolated) {
@@ -147,11 +147,10 @@ pub fn decide(
         }
     }
     let mut actions = Vec::new();
-    if let Some(pid) = ev.culprit {
-        if policy.radius != BlastRadius::None {
-            let domain = owner_of(pid)
-                .and_then(domain_of_job)
-                .unwrap_or(DomainId::shared(ev.gpu));
+    // Only a registered task of this GPU is ended: a pid named by a line that lies about who
+    // faulted is nobody's business here.
+    if let (Some(pid), Some(job)) = (ev.culprit, named) {
+        if let Some(domain) = domain_of_job(job) {
             actions.push(Action::TerminateClient { domain, pid });
         }
     }
@@ -279,7 +278,7 @@ mod tests {
             sources: [Source::Nvml].into(),
             reported_pid: Some(101),
             culprit: None,
-            contained: false,
+            claims_contained: false,
             // The shared domain's server.log showed the fault (as on a real node).
             domains: [0].into(),
             first: Instant::now(),
@@ -323,11 +322,20 @@ mod tests {
         assert_eq!(d.culprit_job(), None);
     }
 
+    /// A contained fault as the patched driver reports it: its isolation line alone (no Xid, no
+    /// server saw it).
+    fn contained_ev(gpu: u32, culprit: u32) -> FaultEvent {
+        let mut e = ev(gpu, &[31]);
+        e.sources = [Source::Isolation].into();
+        e.domains.clear();
+        e.culprit = Some(culprit);
+        e.claims_contained = true;
+        e
+    }
+
     #[test]
     fn xid31_with_isolation_hits_only_the_culprit() {
-        let mut e = ev(0, &[31]);
-        e.culprit = Some(201);
-        e.contained = true;
+        let e = contained_ev(0, 201);
         let d = run(&e);
         assert_eq!(d.hit, [2].into());
         assert_eq!(d.spared, [1, 3, 4, 5].into());
@@ -352,7 +360,7 @@ mod tests {
     fn sm_fault_is_not_isolatable_even_with_culprit() {
         let mut e = ev(0, &[13, 43]);
         e.culprit = Some(101);
-        e.contained = true;
+        e.claims_contained = true;
         let d = run(&e);
         assert_eq!(d.class, FaultClass::AppSm);
         assert_eq!(d.hit, [1, 2, 3, 5].into());
@@ -520,10 +528,7 @@ mod tests {
     #[test]
     fn isolation_culprit_counts_only_when_registered_on_that_gpu() {
         // Named and registered: it alone, failed; its domain is the evidence.
-        let mut e = ev(0, &[31]);
-        e.domains.clear();
-        e.culprit = Some(1201);
-        e.contained = true;
+        let mut e = contained_ev(0, 1201);
         let d = decide(&e, &domains_reg(), &Classifier::default(), "n1", |p| {
             Some(p / 100)
         });
@@ -546,5 +551,58 @@ mod tests {
         assert_eq!(d.hit, [11].into());
         assert_eq!(d.hit_domains, [DomainId { gpu: 0, slot: 1 }].into());
         assert!(matches!(d.actions[1], Action::FailTask { job_id: 11, .. }));
+    }
+
+    #[test]
+    fn a_contained_claim_is_refuted_by_an_xid_or_a_server_that_saw_the_fault() {
+        // Standing: the culprit alone.
+        assert_eq!(run(&contained_ev(0, 201)).hit, [2].into());
+        // The firmware reported the Xid after all (kernel line or NVML): the cancel ran, so the
+        // fault took the culprit's server down with everyone in it; the culprit is still named.
+        for src in [Source::Kmsg, Source::Nvml] {
+            let mut e = contained_ev(0, 201);
+            e.sources.insert(src);
+            assert!(!e.contained(), "{src:?}");
+            let d = run(&e);
+            assert_eq!(d.hit, [1, 2, 3, 5].into(), "{src:?}");
+            assert_eq!(d.culprit, Some((2, CulpritEvidence::Isolation)));
+            assert!(d.actions.contains(&Action::Requeue { job_id: 1 }));
+            assert!(d.actions.iter().any(
+                |a| matches!(a, Action::FailTask { job_id: 2, why, .. } if why == "culprit of the fault")
+            ));
+        }
+        // A server logged the fault (or was seen in FAULT).
+        let mut e = contained_ev(0, 201);
+        e.sources.insert(Source::MpsLog);
+        e.domains = [0].into();
+        assert_eq!(run(&e).hit, [1, 2, 3, 5].into());
+        // A later line of the same VA space saying contained=0 (containment ran out) wins.
+        let mut e = contained_ev(0, 201);
+        e.claims_contained = false;
+        assert_eq!(run(&e).hit, [1, 2, 3, 5].into());
+    }
+
+    #[test]
+    fn a_line_naming_a_pid_that_is_no_task_here_ends_nobody() {
+        // Not registered at all, or registered on another GPU (job 4 is on GPU 1): treated as
+        // not contained, nobody terminated for it, the domains decide.
+        for pid in [777_777, 401] {
+            let mut e = contained_ev(0, pid);
+            e.domains = [0].into();
+            e.sources.insert(Source::MpsLog);
+            let d = run(&e);
+            assert!(
+                !d.actions
+                    .iter()
+                    .any(|a| matches!(a, Action::TerminateClient { .. })),
+                "pid {pid}: {:?}",
+                d.actions
+            );
+            assert_eq!(d.culprit_job(), None, "pid {pid}");
+            assert_eq!(d.hit, [1, 2, 3, 5].into());
+        }
+        // Alone (no server saw anything): nobody is hit.
+        let d = run(&contained_ev(0, 777_777));
+        assert!(d.hit.is_empty() && d.actions.is_empty(), "{d:?}");
     }
 }

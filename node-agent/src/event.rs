@@ -90,8 +90,9 @@ pub struct FaultEvent {
     pub sources: BTreeSet<Source>,
     pub reported_pid: Option<u32>,
     pub culprit: Option<u32>,
-    /// The isolation source says the fault was contained to the culprit.
-    pub contained: bool,
+    /// The isolation line says the fault was contained to the culprit: a claim, see
+    /// [`FaultEvent::contained`].
+    pub claims_contained: bool,
     /// Slots of the GPU's fault domains whose servers showed this fault.
     pub domains: BTreeSet<u32>,
     pub first: Instant,
@@ -109,7 +110,7 @@ impl FaultEvent {
             sources: BTreeSet::new(),
             reported_pid: None,
             culprit: None,
-            contained: false,
+            claims_contained: false,
             domains: BTreeSet::new(),
             first: s.at,
             first_ms: s.at_ms,
@@ -118,6 +119,21 @@ impl FaultEvent {
         };
         e.absorb(s);
         e
+    }
+
+    /// Whether the fault stands as contained: the isolation line says so and nothing shows it was
+    /// cancelled after all. A contained fault is never cancelled, so the firmware reports no Xid
+    /// (kernel line, NVML) and no server logs or shows a fault: any of these refutes the claim
+    /// (a line that lies, or a containment that ran out).
+    pub fn contained(&self) -> bool {
+        self.claims_contained
+            && self.domains.is_empty()
+            && !self.sources.iter().any(|s| {
+                matches!(
+                    s,
+                    Source::Kmsg | Source::Nvml | Source::MpsLog | Source::MpsStatus
+                )
+            })
     }
 
     fn absorb(&mut self, s: &Signal) {
@@ -133,7 +149,7 @@ impl FaultEvent {
         }
         if let Some((pid, contained)) = s.culprit {
             self.culprit = Some(pid);
-            self.contained = contained;
+            self.claims_contained = contained;
         }
         if self.detail.is_empty() && !s.detail.is_empty() {
             self.detail = s.detail.clone();
@@ -174,9 +190,9 @@ impl Correlator {
         self.open
             .retain(|e| s.at.saturating_duration_since(e.last) <= window);
         if let Some(e) = self.open.iter_mut().find(|e| e.gpu == gpu) {
-            let before = (e.xids.len(), e.culprit, e.domains.len());
+            let before = (e.xids.len(), e.culprit, e.domains.len(), e.contained());
             e.absorb(s);
-            let changed = (e.xids.len(), e.culprit, e.domains.len()) != before;
+            let changed = (e.xids.len(), e.culprit, e.domains.len(), e.contained()) != before;
             return Merge::Joined { id: e.id, changed };
         }
         // A domain's server in FAULT is a fault even before its Xid arrives.

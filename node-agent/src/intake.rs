@@ -84,7 +84,18 @@ fn kmsg_loop(
         if resume_after.is_some_and(|s| r.seq <= s) {
             continue;
         }
-        if let Some(line) = kmsg::parse_line(r.message) {
+        let parsed = kmsg::parse_line(r.message);
+        if parsed.is_some() && !r.from_kernel() {
+            // Root wrote an Xid or isolation line into /dev/kmsg: not the driver's word.
+            tracing::warn!(
+                seq = r.seq,
+                facility = r.facility,
+                line = r.message,
+                "NVRM-like record not from the kernel; ignored"
+            );
+            continue;
+        }
+        if let Some(line) = parsed {
             if let Some(s) = signal_from_kernel(&line, Source::Kmsg) {
                 if tx.send(s).is_err() {
                     return;

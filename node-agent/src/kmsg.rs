@@ -75,20 +75,31 @@ pub struct KernelXid {
 /// A `/dev/kmsg` record: `pri,seq,ts_usec,flags[,...];message`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KmsgRecord<'a> {
+    /// syslog facility (`pri >> 3`): 0 is the kernel's own. A record written into /dev/kmsg by
+    /// a process gets another one (the kernel turns a claimed 0 into LOG_USER).
+    pub facility: u32,
     pub seq: u64,
     pub ts_usec: u64,
     pub message: &'a str,
 }
 
+impl KmsgRecord<'_> {
+    /// Printed by the kernel (a driver), not written by a process: only those are evidence.
+    pub fn from_kernel(&self) -> bool {
+        self.facility == 0
+    }
+}
+
 pub fn parse_kmsg_record(rec: &str) -> Option<KmsgRecord<'_>> {
     let (head, msg) = rec.split_once(';')?;
     let mut f = head.split(',');
-    let _pri: u32 = f.next()?.trim().parse().ok()?;
+    let pri: u32 = f.next()?.trim().parse().ok()?;
     let seq = f.next()?.trim().parse().ok()?;
     let ts_usec = f.next()?.trim().parse().ok()?;
     // Continuation lines of a record start with a space and carry KEY=value dictionary data.
     let message = msg.lines().next().unwrap_or("");
     Some(KmsgRecord {
+        facility: pri >> 3,
         seq,
         ts_usec,
         message,
@@ -222,6 +233,27 @@ mod tests {
         assert_eq!(xid(r.message).xid, 31);
         assert!(parse_kmsg_record("garbage").is_none());
         assert!(parse_kmsg_record("a,b,c;x").is_none());
+    }
+
+    #[test]
+    fn only_the_kernels_own_records_count() {
+        // pri 3 = facility 0 (kernel), level 3: what nvidia.ko prints.
+        let k = parse_kmsg_record(
+            "3,1,2,-;NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=5 contained=1",
+        )
+        .unwrap();
+        assert!(k.from_kernel());
+        // `echo '<3>NVRM: ...' > /dev/kmsg` by root arrives as LOG_USER (pri 11): a forged line.
+        let u = parse_kmsg_record(
+            "11,2,3,-;NVRM: mpsr-isolate (PCI:0000:00:06): xid=31 culprit_pid=5 contained=1",
+        )
+        .unwrap();
+        assert_eq!(u.facility, 1);
+        assert!(!u.from_kernel());
+        assert!(
+            parse_line(u.message).is_some(),
+            "the text alone cannot tell"
+        );
     }
 
     #[test]

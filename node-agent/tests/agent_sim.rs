@@ -2,7 +2,7 @@
 //! die, faults of each class injected, exact hit sets and actions asserted. Slurm's scontrol is
 //! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
 
-use mpsr_proto::{Client, Mode, Registration, Request, Response};
+use mpsr_proto::{Client, CulpritEvidence, Mode, Registration, Request, Response, ServerState};
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -369,19 +369,26 @@ impl Env {
     }
 }
 
+/// Driver patch phase B (containment, SIMULATED as designed: the line alone, no Xid, no server
+/// fault): the culprit runs on until the agent terminates it; the other job in the same server
+/// never notices and the server never leaves ACTIVE.
 #[test]
-fn isolation_source_narrows_hit_set_to_the_culprit() {
-    let e = Env::new("[sim]\nisolation = true\n");
+fn a_contained_fault_ends_only_the_culprit_in_a_shared_server() {
+    let e = Env::new("[sim]\ndriver_patch = \"containment\"\n");
     let mut a = e.client(0, 30.0, false);
     let mut b = e.client(0, 30.0, false);
     e.register(1, a.id(), &[0], Mode::Requeue, true);
     e.register(2, b.id(), &[0], Mode::Requeue, true);
-    e.inject(0, 31, Some(b.id()), None);
+    assert!(
+        e.inject(0, 31, Some(b.id()), None).is_empty(),
+        "the contained fault itself kills nobody"
+    );
+    // Ended by the agent's terminate_client (the simulated client says so and exits 1).
     assert_eq!(exit_code(&mut b, Duration::from_secs(5)), Some(1));
     assert_eq!(
         exit_code(&mut a, Duration::from_millis(500)),
         None,
-        "victim survives with isolation"
+        "victim survives with containment"
     );
     e.wait_for("decision with culprit", |e| {
         e.events()
@@ -389,17 +396,75 @@ fn isolation_source_narrows_hit_set_to_the_culprit() {
             .is_some_and(|f| f.culprit == Some(b.id()))
     });
     let f = &e.events()[0];
+    assert_eq!(f.sources, vec!["isolation".to_string()]);
     assert_eq!(f.hit_jobs, vec![2]);
     assert_eq!(f.spared_jobs, vec![1]);
+    assert_eq!(f.culprit_job, Some(2));
+    assert_eq!(f.culprit_evidence, Some(CulpritEvidence::Isolation));
     assert!(f
         .actions
         .iter()
         .any(|x| x.starts_with("terminate_client gpu0")));
+    assert_eq!(status(&e).gpus[0].state, ServerState::Active);
     assert!(
         !e.scontrol_log().contains("requeue"),
-        "culprit is not requeued"
+        "the culprit is failed, not requeued; nobody else is touched"
     );
     let _ = a.kill();
+}
+
+/// Driver patch phase A (attribution only): the line names the culprit, but the cancel still
+/// takes the whole shared server down: both jobs are hit, the named one failed, the other
+/// requeued.
+#[test]
+fn an_attributed_fault_names_the_culprit_and_still_hits_its_server() {
+    let e = Env::new("[sim]\ndriver_patch = \"attribution\"\n");
+    let mut a = e.client(0, 30.0, false);
+    let mut b = e.client(0, 30.0, false);
+    e.register(1, a.id(), &[0], Mode::Requeue, true);
+    e.register(2, b.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 31, Some(b.id()), None);
+    assert_eq!(exit_code(&mut a, Duration::from_secs(5)), Some(1));
+    assert_eq!(exit_code(&mut b, Duration::from_secs(5)), Some(1));
+    e.wait_for("both hit, culprit named, victim requeued", |e| {
+        e.events()
+            .first()
+            .is_some_and(|f| f.culprit_job == Some(2) && f.hit_jobs == vec![1, 2])
+            && e.scontrol_log().contains("requeue 1")
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.culprit_evidence, Some(CulpritEvidence::Isolation));
+    assert!(
+        f.sources.contains(&"isolation".to_string()) && f.sources.contains(&"kmsg".to_string())
+    );
+    assert!(
+        !e.scontrol_log().contains("requeue 2"),
+        "the culprit is failed"
+    );
+}
+
+/// A line naming a process that is no registered task (here: an unregistered client of the
+/// same server) is not trusted: nobody is terminated, and with no server showing a fault nobody
+/// is hit.
+#[test]
+fn an_isolation_line_naming_an_unregistered_process_ends_nobody() {
+    let e = Env::new("[sim]\ndriver_patch = \"containment\"\n");
+    let mut a = e.client(0, 30.0, false);
+    let mut stranger = e.client(0, 30.0, false);
+    e.register(1, a.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 31, Some(stranger.id()), None);
+    e.wait_for("a decision", |e| !e.events().is_empty());
+    std::thread::sleep(Duration::from_millis(800));
+    let f = &e.events()[0];
+    assert_eq!(f.culprit_job, None, "{f:?}");
+    assert!(f.hit_jobs.is_empty(), "{f:?}");
+    assert!(
+        !f.actions.iter().any(|x| x.starts_with("terminate_client")),
+        "{f:?}"
+    );
+    assert_eq!(exit_code(&mut stranger, Duration::from_millis(200)), None);
+    assert_eq!(exit_code(&mut a, Duration::from_millis(200)), None);
+    let _ = (a.kill(), stranger.kill());
 }
 
 #[test]

@@ -9,8 +9,8 @@
 
 use crate::physics::{self, Reach};
 use crate::{
-    control_socket, gpu_pci, gpu_uuid, json, DomainId, DomainInfo, SimEvent, SimReply, SimRequest,
-    SERVER_MEMORY_BYTES, SOCKET_NAME,
+    control_socket, gpu_pci, gpu_uuid, json, DomainId, DomainInfo, DriverPatch, SimEvent, SimReply,
+    SimRequest, SERVER_MEMORY_BYTES, SOCKET_NAME,
 };
 use mpsr_proto::ServerState;
 use std::collections::BTreeMap;
@@ -95,8 +95,8 @@ struct Gpu {
 
 pub struct SimGpus {
     gpus: Vec<Mutex<Gpu>>,
-    /// Models the driver patch: an Xid 31 with a known culprit kills only the culprit.
-    isolation: bool,
+    /// The driver patch's phase, for an Xid 31 with a known culprit.
+    driver_patch: DriverPatch,
     recovery: Duration,
     run_dir: PathBuf,
     next_conn: AtomicU64,
@@ -113,7 +113,7 @@ fn peer(s: &UnixStream) -> Option<mpsr_proto::PeerCred> {
 }
 
 impl SimGpus {
-    pub fn new(n: u32, run_dir: &Path, isolation: bool, recovery_ms: u64) -> SimGpus {
+    pub fn new(n: u32, run_dir: &Path, driver_patch: DriverPatch, recovery_ms: u64) -> SimGpus {
         SimGpus {
             gpus: (0..n)
                 .map(|_| {
@@ -123,7 +123,7 @@ impl SimGpus {
                     })
                 })
                 .collect(),
-            isolation,
+            driver_patch,
             recovery: Duration::from_millis(recovery_ms),
             run_dir: run_dir.to_path_buf(),
             next_conn: AtomicU64::new(0),
@@ -482,6 +482,25 @@ impl SimGpus {
         slot: Option<u32>,
     ) -> Result<Vec<u32>, String> {
         let effect = physics::effect(xid);
+        let pci = gpu_pci(gpu);
+        // An MMU fault whose VA space the patched nvidia-uvm knows (driver-patch/).
+        let attributed = match culprit {
+            Some(pid) if xid == 31 && self.driver_patch != DriverPatch::Off => Some(pid),
+            _ => None,
+        };
+        if let Some(pid) = attributed {
+            let contained = self.driver_patch == DriverPatch::Containment;
+            // Printed before the cancel that makes the firmware report the Xid.
+            self.emit_kmsg(format!(
+                "NVRM: mpsr-isolate (PCI:{pci}): xid=31 culprit_pid={pid} contained={} engine=GRAPHICS veid=1 addr=0x7f0000001000 access=WRITE type=INVALID_PDE comm=simclient (simulated)",
+                u8::from(contained)
+            ));
+            if contained {
+                // Mapped to a scratch page and replayed: no cancel, so no Xid, no NVML event, no
+                // server fault; the culprit runs on until it is terminated.
+                return Ok(Vec::new());
+            }
+        }
         let mut g = lock(self.gpu(gpu)?);
         // The server the faulting work ran in.
         let origin = slot
@@ -503,7 +522,6 @@ impl SimGpus {
             .flat_map(|s| s.clients.iter())
             .min_by_key(|c| c.conn)
             .map(|c| c.pid);
-        let isolated = self.isolation && xid == 31 && culprit.is_some();
         let (code, msg) = effect.cuda;
         let mut killed = Vec::new();
         let lost = effect.reach == Reach::Lost;
@@ -518,11 +536,8 @@ impl SimGpus {
             }
             let mut poisoned = Vec::new();
             for c in &s.clients {
-                if isolated && Some(c.pid) != culprit {
-                    continue;
-                }
                 poisoned.push(c.conn);
-                if c.busy || lost || isolated {
+                if c.busy || lost {
                     let _ = writeln!(&c.stream, "FAULT {code} {msg}");
                     killed.push(c.pid);
                 }
@@ -535,36 +550,26 @@ impl SimGpus {
                     ),
                 );
             }
-            if !poisoned.is_empty() || !isolated {
-                s.log(
-                    "server.log",
-                    &format!(
-                        "Server {}: Server is handling a fatal GPU error.",
-                        std::process::id()
-                    ),
-                );
-                s.faulted.extend(poisoned);
-                s.state = ServerState::Fault;
-                s.recover_at = if s.faulted.is_empty() {
-                    Some(Instant::now() + self.recovery)
-                } else {
-                    None
-                };
-            }
+            s.log(
+                "server.log",
+                &format!(
+                    "Server {}: Server is handling a fatal GPU error.",
+                    std::process::id()
+                ),
+            );
+            s.faulted.extend(poisoned);
+            s.state = ServerState::Fault;
+            s.recover_at = if s.faulted.is_empty() {
+                Some(Instant::now() + self.recovery)
+            } else {
+                None
+            };
         }
         if lost {
             g.lost = true;
         }
         drop(g);
 
-        let pci = gpu_pci(gpu);
-        // The patched driver prints its isolation line before it raises the Xid (driver-patch/).
-        if isolated {
-            self.emit_kmsg(format!(
-                "NVRM: mpsr-isolate (PCI:{pci}): xid={xid} culprit_pid={} contained=1 (simulated)",
-                culprit.unwrap_or(0)
-            ));
-        }
         // The NVML-like event: an Xid and a device, never a pid. A misaligned store reports 43 there.
         let nvml_xid = if xid == 13 { 43 } else { xid };
         self.emit(SimEvent::Nvml { gpu, xid: nvml_xid });

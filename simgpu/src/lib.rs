@@ -24,6 +24,32 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// Which phase of the driver patch (driver-patch/) the simulated kernel module carries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DriverPatch {
+    /// The stock driver: no isolation line.
+    #[default]
+    Off,
+    /// Phase A: an Xid 31 with a known culprit is first named by `mpsr-isolate ... contained=0`;
+    /// the fault then kills its server's clients as the stock driver's does.
+    Attribution,
+    /// Phase B: an Xid 31 with a known culprit is contained: only the line with `contained=1`;
+    /// no Xid, no NVML event, the server stays ACTIVE and the culprit runs on (on scratch data)
+    /// until it is terminated.
+    Containment,
+}
+
+impl DriverPatch {
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverPatch::Off => "off",
+            DriverPatch::Attribution => "attribution",
+            DriverPatch::Containment => "containment",
+        }
+    }
+}
+
 /// The socket a simulated client finds in its `CUDA_MPS_PIPE_DIRECTORY`.
 pub const SOCKET_NAME: &str = "mpsr-sim.sock";
 

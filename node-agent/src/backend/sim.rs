@@ -9,7 +9,7 @@ use crate::domain::DomainSpec;
 use crate::event::{GpuRef, Signal, Source};
 use crate::kmsg::{self, PciAddr};
 use mpsr_proto::{DomainId, ServerState};
-use mpsr_simgpu::{SimEvent, SimReply, SimRequest};
+use mpsr_simgpu::{DriverPatch, SimEvent, SimReply, SimRequest};
 use mpsr_telemetry::replay::{Injection, Pathology};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -24,7 +24,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct SimBackend {
     gpus: Vec<GpuInfo>,
     run_dir: PathBuf,
-    isolation: bool,
+    driver_patch: DriverPatch,
     recovery_ms: u64,
     /// Stop the daemon when the agent stops (tests); by default it stays, like MPS daemons.
     quit_on_shutdown: bool,
@@ -37,7 +37,7 @@ impl SimBackend {
     pub fn new(
         n: u32,
         run_dir: &Path,
-        isolation: bool,
+        driver_patch: DriverPatch,
         recovery_ms: u64,
         quit_on_shutdown: bool,
     ) -> Result<SimBackend, BackendError> {
@@ -55,7 +55,7 @@ impl SimBackend {
         Ok(SimBackend {
             gpus,
             run_dir: run_dir.to_path_buf(),
-            isolation,
+            driver_patch,
             recovery_ms,
             quit_on_shutdown,
             telemetry_started: Instant::now(),
@@ -101,9 +101,7 @@ impl SimBackend {
             .arg(self.gpus.len().to_string())
             .arg("--recovery-ms")
             .arg(self.recovery_ms.to_string());
-        if self.isolation {
-            c.arg("--isolation");
-        }
+        c.arg("--driver-patch").arg(self.driver_patch.name());
         // Its own session: the daemon outlives the agent, as MPS control daemons do.
         crate::spawn::prepare(&mut c, true);
         c.stdin(Stdio::null())

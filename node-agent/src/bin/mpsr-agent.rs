@@ -121,7 +121,7 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
             Arc::new(SimBackend::new(
                 cfg.sim.gpus,
                 &cfg.run_dir,
-                cfg.sim.isolation,
+                cfg.sim.driver_patch,
                 cfg.sim.recovery_ms,
                 cfg.mps.quit_on_shutdown,
             )?)

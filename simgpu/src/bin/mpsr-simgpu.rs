@@ -2,7 +2,7 @@
 //! with `backend = "sim"`; like real MPS control daemons it outlives agent restarts.
 
 use clap::Parser;
-use mpsr_simgpu::SimGpus;
+use mpsr_simgpu::{DriverPatch, SimGpus};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -21,9 +21,9 @@ struct Args {
     /// FAULT -> ACTIVE delay after the last faulted client left (measured ~0.2 s on an H200).
     #[arg(long, default_value_t = 200)]
     recovery_ms: u64,
-    /// Model the driver patch: an Xid 31 with a known culprit kills only the culprit.
-    #[arg(long)]
-    isolation: bool,
+    /// Which phase of the driver patch to model for an Xid 31 with a known culprit.
+    #[arg(long, value_enum, default_value_t = DriverPatch::Off)]
+    driver_patch: DriverPatch,
 }
 
 fn main() -> std::process::ExitCode {
@@ -35,7 +35,14 @@ fn main() -> std::process::ExitCode {
         a.run_dir.display(),
         std::process::id()
     );
-    match Arc::new(SimGpus::new(a.gpus, &a.run_dir, a.isolation, a.recovery_ms)).serve() {
+    match Arc::new(SimGpus::new(
+        a.gpus,
+        &a.run_dir,
+        a.driver_patch,
+        a.recovery_ms,
+    ))
+    .serve()
+    {
         Ok(()) => 0.into(),
         Err(e) => {
             eprintln!("mpsr-simgpu: {e}");
