@@ -13,8 +13,10 @@ enum mpsr_verdict mpsr_contain_decide(const struct mpsr_contain_query *q,
 		return MPSR_NO_REASON;
 	if (!q->unmapped)
 		return MPSR_NO_TYPE;
-	if (q->pageable)
-		return MPSR_NO_PAGEABLE;
+	if (q->ats)
+		return MPSR_NO_ATS;
+	if (!q->shared_tsg)
+		return MPSR_NO_ALONE;
 	if (b->failed)
 		return MPSR_NO_FAILED;
 	if (b->used >= max)
@@ -30,7 +32,8 @@ const char *mpsr_verdict_name(enum mpsr_verdict v)
 	case MPSR_NO_ENGINE: return "engine";
 	case MPSR_NO_REASON: return "reason";
 	case MPSR_NO_TYPE: return "type";
-	case MPSR_NO_PAGEABLE: return "pageable";
+	case MPSR_NO_ATS: return "ats";
+	case MPSR_NO_ALONE: return "alone";
 	case MPSR_NO_BUDGET: return "budget";
 	case MPSR_NO_FAILED: return "failed";
 	}

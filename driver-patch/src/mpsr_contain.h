@@ -27,9 +27,15 @@ struct mpsr_contain_query {
 	/* ... and the MMU says so (fault type INVALID_PDE or INVALID_PTE), not a permission,
 	 * atomic or privilege violation on something that is mapped. */
 	int unmapped;
-	/* The VA space resolves addresses through the CPU's page tables (HMM or ATS): an address with
-	 * no UVM range may still be the CPU's, so nothing is mapped over it. */
-	int pageable;
+	/* The GPU's MMU translates through the CPU's page tables (ATS): an address with no UVM range
+	 * may still be the CPU's, so nothing is mapped over it. (HMM is fine: a fault there with
+	 * reason invalid address found no CPU mapping either, and a new range reclaims HMM blocks.) */
+	int ats;
+	/* The faulting channel's TSG holds another VA space's subcontext (under MPS: another client
+	 * of the server): only then does the cancel hurt anyone but the culprit. A process alone in
+	 * its TSG gets the stock cancel, which ends just its own context, rather than run on with
+	 * scratch data. */
+	int shared_tsg;
 };
 
 /* Per VA space. Written only under the VA space lock taken for write (mapping time); read
@@ -48,7 +54,8 @@ enum mpsr_verdict {
 	MPSR_NO_ENGINE,
 	MPSR_NO_REASON,
 	MPSR_NO_TYPE,
-	MPSR_NO_PAGEABLE,
+	MPSR_NO_ATS,
+	MPSR_NO_ALONE,
 	MPSR_NO_BUDGET,
 	MPSR_NO_FAILED,
 };
@@ -66,6 +73,9 @@ const char *mpsr_verdict_name(enum mpsr_verdict v);
 #define MPSR_DEFER_MAX 8
 struct mpsr_deferred {
 	u32 n;
+	/* Another fatal entry of the VA space got the stock cancel in this pass: the TSG goes down
+	 * anyway, so nothing is mapped and nothing is reported contained. */
+	u32 cancelled;
 	u64 page[MPSR_DEFER_MAX];
 };
 
@@ -79,6 +89,12 @@ enum mpsr_defer_result {
 };
 
 enum mpsr_defer_result mpsr_defer_add(struct mpsr_deferred *d, u64 page);
+
+/* Whether the deferred pages are to be mapped at the end of the pass. */
+static inline int mpsr_defer_apply(const struct mpsr_deferred *d)
+{
+	return d->n > 0 && !d->cancelled;
+}
 
 /* The region a scratch mapping covers: the largest naturally aligned block of at most
  * `max_size` bytes (a power of two, >= page) that holds `addr` and is free (no range of the VA

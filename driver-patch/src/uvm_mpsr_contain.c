@@ -15,6 +15,7 @@
 #include "uvm_common.h"
 #include "uvm_gpu.h"
 #include "uvm_hal_types.h"
+#include "uvm_hmm.h"
 #include "uvm_mem.h"
 #include "uvm_mmu.h"
 #include "uvm_range_tree.h"
@@ -44,14 +45,14 @@ static bool unmapped_type(uvm_fault_type_t type)
 	return type == UVM_FAULT_TYPE_INVALID_PDE || type == UVM_FAULT_TYPE_INVALID_PTE;
 }
 
-bool uvm_mpsr_contain_defer(uvm_gpu_t *gpu, uvm_va_space_t *va_space,
-			    uvm_fault_buffer_entry_t *entry, uvm_mpsr_deferred_t *d)
+static bool defer(uvm_gpu_t *gpu, uvm_va_space_t *va_space, uvm_fault_buffer_entry_t *entry,
+		  uvm_mpsr_deferred_t *d)
 {
 	struct mpsr_contain_query q;
 	enum mpsr_verdict verdict;
 	struct mpsr_budget budget;
 
-	if (!gpu || !va_space || !entry || !d)
+	if (!gpu || !va_space || !entry)
 		return false;
 	/* Containment without the line would leave the culprit running on scratch data unseen:
 	 * both parameters must be on. */
@@ -59,7 +60,9 @@ bool uvm_mpsr_contain_defer(uvm_gpu_t *gpu, uvm_va_space_t *va_space,
 	q.engine_graphics = entry->fault_source.mmu_engine_type == UVM_MMU_ENGINE_TYPE_GRAPHICS;
 	q.invalid_address = entry->fatal_reason == UvmEventFatalReasonInvalidAddress;
 	q.unmapped = unmapped_type(entry->fault_type);
-	q.pageable = uvm_va_space_pageable_mem_access_supported(va_space);
+	/* Pageable access without HMM is ATS. */
+	q.ats = uvm_va_space_pageable_mem_access_supported(va_space) && !uvm_hmm_is_enabled(va_space);
+	q.shared_tsg = uvm_gpu_fault_entry_tsg_shared(gpu, entry);
 	/* Read under the VA space lock for read; written only under it for write. */
 	budget = va_space->mpsr.budget;
 	verdict = mpsr_contain_decide(&q, &budget, uvm_mpsr_contain_budget);
@@ -79,6 +82,18 @@ bool uvm_mpsr_contain_defer(uvm_gpu_t *gpu, uvm_va_space_t *va_space,
 	default:
 		return false;
 	}
+}
+
+bool uvm_mpsr_contain_defer(uvm_gpu_t *gpu, uvm_va_space_t *va_space,
+			    uvm_fault_buffer_entry_t *entry, uvm_mpsr_deferred_t *d)
+{
+	if (!d)
+		return false;
+	if (defer(gpu, va_space, entry, d))
+		return true;
+	/* The caller cancels this entry now. */
+	d->pages.cancelled = 1;
+	return false;
 }
 
 struct region_ctx {
@@ -142,7 +157,10 @@ void uvm_mpsr_contain_apply(uvm_gpu_t *gpu, uvm_va_space_t *va_space, uvm_mpsr_d
 	struct mm_struct *mm;
 	NvU32 i;
 
-	if (!d || d->pages.n == 0)
+	/* Nothing deferred, or the stock cancel of another entry of this VA space ends the TSG
+	 * anyway (reported contained=0): the deferred faults are replayed, fault again and are
+	 * cancelled with it. */
+	if (!d || !mpsr_defer_apply(&d->pages))
 		return;
 	/* The VA space outlives this: it cannot be destroyed while its GPU's fault servicing (whose
 	 * ISR lock the caller holds) is running. Same lock order as the caller's: mmap lock, then

@@ -18,7 +18,7 @@ static int failures;
 static struct mpsr_contain_query containable(void)
 {
 	struct mpsr_contain_query q = {
-		.enabled = 1, .engine_graphics = 1, .invalid_address = 1, .unmapped = 1, .pageable = 0,
+		.enabled = 1, .engine_graphics = 1, .invalid_address = 1, .unmapped = 1, .ats = 0, .shared_tsg = 1,
 	};
 	return q;
 }
@@ -41,8 +41,12 @@ static void test_decide(void)
 	q.unmapped = 0;
 	CHECK(mpsr_contain_decide(&q, &b, 16) == MPSR_NO_TYPE, "write to read-only is not");
 	q = containable();
-	q.pageable = 1;
-	CHECK(mpsr_contain_decide(&q, &b, 16) == MPSR_NO_PAGEABLE, "HMM/ATS spaces are not");
+	q.ats = 1;
+	CHECK(mpsr_contain_decide(&q, &b, 16) == MPSR_NO_ATS, "ATS spaces are not");
+	q = containable();
+	q.shared_tsg = 0;
+	CHECK(mpsr_contain_decide(&q, &b, 16) == MPSR_NO_ALONE,
+	      "a process alone in its TSG (no MPS) gets the cancel that ends only itself");
 	q = containable();
 	b.used = 16;
 	CHECK(mpsr_contain_decide(&q, &b, 16) == MPSR_NO_BUDGET, "budget spent");
@@ -63,7 +67,12 @@ static void test_defer(void)
 	unsigned i;
 
 	memset(&d, 0, sizeof(d));
+	CHECK(!mpsr_defer_apply(&d), "nothing deferred, nothing to map");
 	CHECK(mpsr_defer_add(&d, 0x1000) == MPSR_DEFER_ADDED, "first page");
+	CHECK(mpsr_defer_apply(&d), "a deferred page is mapped at the end of the pass");
+	d.cancelled = 1;
+	CHECK(!mpsr_defer_apply(&d), "another entry was cancelled: the TSG goes down anyway");
+	d.cancelled = 0;
 	CHECK(mpsr_defer_add(&d, 0x1000) == MPSR_DEFER_DUPLICATE, "same page from another warp");
 	CHECK(d.n == 1, "one entry per page");
 	for (i = 1; i < MPSR_DEFER_MAX; i++)

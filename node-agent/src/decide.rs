@@ -74,6 +74,9 @@ pub struct Decision {
     /// An application fault that no domain has shown yet: the agent asks each domain's server.
     pub awaiting_domain: bool,
     pub culprit: Option<(u32, CulpritEvidence)>,
+    /// The driver patch contained the fault to the culprit (a standing claim of a registered
+    /// task): no server faulted, nobody else was touched.
+    pub contained: bool,
     pub actions: Vec<Action>,
 }
 
@@ -229,6 +232,7 @@ pub fn decide(
         hit_domains,
         awaiting_domain,
         culprit,
+        contained: isolated.is_some(),
         actions,
     }
 }
@@ -556,7 +560,9 @@ mod tests {
     #[test]
     fn a_contained_claim_is_refuted_by_an_xid_or_a_server_that_saw_the_fault() {
         // Standing: the culprit alone.
-        assert_eq!(run(&contained_ev(0, 201)).hit, [2].into());
+        let d = run(&contained_ev(0, 201));
+        assert_eq!(d.hit, [2].into());
+        assert!(d.contained);
         // The firmware reported the Xid after all (kernel line or NVML): the cancel ran, so the
         // fault took the culprit's server down with everyone in it; the culprit is still named.
         for src in [Source::Kmsg, Source::Nvml] {
@@ -564,6 +570,7 @@ mod tests {
             e.sources.insert(src);
             assert!(!e.contained(), "{src:?}");
             let d = run(&e);
+            assert!(!d.contained);
             assert_eq!(d.hit, [1, 2, 3, 5].into(), "{src:?}");
             assert_eq!(d.culprit, Some((2, CulpritEvidence::Isolation)));
             assert!(d.actions.contains(&Action::Requeue { job_id: 1 }));

@@ -226,6 +226,8 @@ impl Agent {
         }
         // Servers expected in FAULT now: the health loop watches them back to ACTIVE.
         let watched: Vec<DomainId> = match self.classifier.policy(dec.class).radius {
+            // Contained: no server faulted.
+            _ if dec.contained => Vec::new(),
             BlastRadius::Gpu => self.domains_of_gpu(st, ev.gpu),
             BlastRadius::Domain => dec.hit_domains.iter().copied().collect(),
             BlastRadius::None => Vec::new(),
@@ -276,6 +278,7 @@ impl Agent {
             hit_domains: dec.hit_domains.iter().copied().collect(),
             culprit_job: dec.culprit_job(),
             culprit_evidence: dec.culprit.map(|c| c.1),
+            contained: dec.contained,
             awaiting_domain: dec.awaiting_domain,
             hit_jobs: dec.hit.iter().copied().collect(),
             spared_jobs: dec.spared.iter().copied().collect(),

@@ -401,11 +401,17 @@ fn a_contained_fault_ends_only_the_culprit_in_a_shared_server() {
     assert_eq!(f.spared_jobs, vec![1]);
     assert_eq!(f.culprit_job, Some(2));
     assert_eq!(f.culprit_evidence, Some(CulpritEvidence::Isolation));
+    assert!(f.contained);
     assert!(f
         .actions
         .iter()
         .any(|x| x.starts_with("terminate_client gpu0")));
     assert_eq!(status(&e).gpus[0].state, ServerState::Active);
+    assert!(
+        !f.outcome.iter().any(|o| o.contains("ACTIVE again")),
+        "no server faulted, so none is watched back: {:?}",
+        f.outcome
+    );
     assert!(
         !e.scontrol_log().contains("requeue"),
         "the culprit is failed, not requeued; nobody else is touched"
@@ -434,6 +440,7 @@ fn an_attributed_fault_names_the_culprit_and_still_hits_its_server() {
     });
     let f = &e.events()[0];
     assert_eq!(f.culprit_evidence, Some(CulpritEvidence::Isolation));
+    assert!(!f.contained, "the cancel ran: an Xid followed");
     assert!(
         f.sources.contains(&"isolation".to_string()) && f.sources.contains(&"kmsg".to_string())
     );

@@ -386,6 +386,10 @@ pub struct DecisionRecord {
     pub culprit_job: Option<u32>,
     #[serde(default)]
     pub culprit_evidence: Option<CulpritEvidence>,
+    /// The driver patch contained the fault to the culprit: no server faulted, nobody else was
+    /// touched.
+    #[serde(default)]
+    pub contained: bool,
     /// An application fault no domain has shown yet: nobody is hit until one does.
     #[serde(default)]
     pub awaiting_domain: bool,
@@ -429,6 +433,9 @@ impl std::fmt::Display for DecisionRecord {
                 None => "",
             };
             write!(f, "\n    culprit job: {j} ({how})")?;
+        }
+        if self.contained {
+            write!(f, "\n    contained to the culprit by the driver patch")?;
         }
         if self.awaiting_domain {
             write!(f, "\n    waiting for a domain to show the fault")?;
