@@ -106,6 +106,12 @@ int mpsr_contain_region(u64 addr, u64 page, u64 max_size,
 			int (*is_free)(u64 start, u64 end, void *ctx), void *ctx,
 			u64 *start, u64 *size);
 
+/* Whether a mapped block [start, start + size) holds `page`. */
+static inline int mpsr_region_covers(u64 start, u64 size, u64 page)
+{
+	return size > 0 && page >= start && page - start < size;
+}
+
 /* Which report a VA space may still print: bit 0 for the contained=1 line, bit 1 for the
  * contained=0 line. Each is printed once, so a contained culprit whose containment later runs out
  * is reported once more, as not contained. */

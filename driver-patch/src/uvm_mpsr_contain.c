@@ -111,7 +111,7 @@ static int region_free(u64 start, u64 end, void *ctx)
 
 /* VA space lock held for write. */
 static NV_STATUS contain_page(uvm_gpu_t *gpu, uvm_va_space_t *va_space, struct mm_struct *mm,
-			      NvU64 addr)
+			      NvU64 addr, u64 *start_out, u64 *size_out)
 {
 	struct region_ctx ctx = { gpu, va_space };
 	uvm_mem_alloc_params_t params = { 0 };
@@ -147,6 +147,8 @@ static NV_STATUS contain_page(uvm_gpu_t *gpu, uvm_va_space_t *va_space, struct m
 		return status;
 	}
 
+	*start_out = start;
+	*size_out = size;
 	/* The range (uvm_va_range.c, per driver branch) takes the scratch page over. */
 	return uvm_va_range_create_mpsr_scratch(va_space, mm, gpu_va_space, start, size, scratch);
 }
@@ -154,8 +156,9 @@ static NV_STATUS contain_page(uvm_gpu_t *gpu, uvm_va_space_t *va_space, struct m
 void uvm_mpsr_contain_apply(uvm_gpu_t *gpu, uvm_va_space_t *va_space, uvm_mpsr_deferred_t *d)
 {
 	bool mapped[MPSR_DEFER_MAX] = { false };
+	u64 start[MPSR_DEFER_MAX] = { 0 }, size[MPSR_DEFER_MAX] = { 0 };
 	struct mm_struct *mm;
-	NvU32 i;
+	NvU32 i, j;
 
 	/* Nothing deferred, or the stock cancel of another entry of this VA space ends the TSG
 	 * anyway (reported contained=0): the deferred faults are replayed, fault again and are
@@ -168,8 +171,15 @@ void uvm_mpsr_contain_apply(uvm_gpu_t *gpu, uvm_va_space_t *va_space, uvm_mpsr_d
 	mm = uvm_va_space_mm_retain_lock(va_space);
 	uvm_va_space_down_write(va_space);
 	for (i = 0; i < d->pages.n; i++) {
-		NV_STATUS status = contain_page(gpu, va_space, mm, d->pages.page[i]);
+		NV_STATUS status;
+		bool covered = false;
 
+		/* A block mapped for an earlier page of this pass may hold this one too. */
+		for (j = 0; j < i && !covered; j++)
+			covered = mapped[j] && mpsr_region_covers(start[j], size[j], d->pages.page[i]);
+		if (covered)
+			continue;
+		status = contain_page(gpu, va_space, mm, d->pages.page[i], &start[i], &size[i]);
 		if (status == NV_OK) {
 			va_space->mpsr.budget.used++;
 			mapped[i] = true;

@@ -156,8 +156,13 @@ static void test_region(void)
 	CHECK(mpsr_contain_region(0x5000, K4, M2, NULL, &s, &start, &size) == -1, "no callback");
 }
 
-static void test_report_bits(void)
+static void test_bits(void)
 {
+	CHECK(mpsr_region_covers(0x200000, M2, 0x3ff000), "last page of a block");
+	CHECK(!mpsr_region_covers(0x200000, M2, 0x400000), "first page after it");
+	CHECK(!mpsr_region_covers(0x200000, M2, 0x1ff000), "last page before it");
+	CHECK(!mpsr_region_covers(0x200000, 0, 0x200000), "an empty block holds nothing");
+	CHECK(mpsr_region_covers(~0ULL - K4 + 1, K4, ~0ULL - K4 + 1), "the top page, no wrap");
 	CHECK(mpsr_report_bit(1) != mpsr_report_bit(0), "contained and not contained print once each");
 }
 
@@ -166,7 +171,7 @@ int main(void)
 	test_decide();
 	test_defer();
 	test_region();
-	test_report_bits();
+	test_bits();
 	if (failures) {
 		fprintf(stderr, "mpsr_contain: %d check(s) failed\n", failures);
 		return 1;
