@@ -74,6 +74,18 @@ pub struct Cluster {
     keep: bool,
 }
 
+/// Where the packages install the prolog, epilog and health check.
+const INSTALLED_SCRIPTS: &str = "usr/libexec/mps-resilient";
+
+/// A product script (scripts/slurm/NAME) as a test runs it: the installed one under
+/// `MPSR_INSTALLED_ROOT`, else the repository's.
+pub fn script(name: &str) -> PathBuf {
+    match std::env::var_os("MPSR_INSTALLED_ROOT") {
+        Some(r) => PathBuf::from(r).join(INSTALLED_SCRIPTS).join(name),
+        None => repo_root().join("scripts/slurm").join(name),
+    }
+}
+
 /// The build output directory holding the workspace's binaries (target/debug or target/release).
 /// Where a test cluster takes the product's files from: the build, or (`MPSR_INSTALLED_ROOT`, set
 /// by the test command) a root the Debian packages were installed into, so that the e2e tests run
@@ -97,7 +109,7 @@ impl Sources {
             return Ok(Sources {
                 bin: r.join("usr/bin"),
                 plugin,
-                scripts: r.join("usr/libexec/mps-resilient"),
+                scripts: r.join(INSTALLED_SCRIPTS),
                 job_submit: r.join("usr/share/mps-resilient/job_submit.lua"),
             });
         }

@@ -37,8 +37,13 @@ enum Cmd {
     },
     /// What hit a job and what was done.
     Report { job_id: u32 },
-    /// Node health as the health check sees it (exit 1 when unhealthy).
-    Health,
+    /// Node health as the health check sees it (exit 5 when unhealthy; 1 is an error reply,
+    /// 3 no agent).
+    Health {
+        /// Print only the drain reason (the first, as the agent words it; nothing when healthy).
+        #[arg(long)]
+        reason: bool,
+    },
     /// Register a task (what the SPANK plugin does).
     Register {
         #[arg(long)]
@@ -157,6 +162,9 @@ enum SimCmd {
 
 /// `job-end`'s exit status for a job that was hit by a fault.
 const HIT_EXIT: u8 = 4;
+/// `health`'s exit status for an unhealthy node: distinct from an error reply (1) and from no
+/// agent (3), so the health check never drains on either.
+const UNHEALTHY_EXIT: u8 = 5;
 
 fn main() -> std::process::ExitCode {
     mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
@@ -203,7 +211,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Status => Request::Status,
         Cmd::Events { limit } => Request::Events { limit: *limit },
         Cmd::Report { job_id } => Request::JobReport { job_id: *job_id },
-        Cmd::Health => Request::Health,
+        Cmd::Health { .. } => Request::Health,
         Cmd::Register {
             job,
             step,
@@ -278,17 +286,21 @@ fn main() -> std::process::ExitCode {
             return 3.into();
         }
     };
-    if a.json {
-        println!(
+    match (&a.cmd, &resp) {
+        _ if a.json => println!(
             "{}",
             serde_json::to_string_pretty(&resp).unwrap_or_default()
-        );
-    } else {
-        print_human(&resp);
+        ),
+        (Cmd::Health { reason: true }, Response::Health(h)) => {
+            if let Some(r) = h.reasons.first().filter(|_| !h.healthy) {
+                println!("{r}");
+            }
+        }
+        _ => print_human(&resp),
     }
     match resp {
         Response::Error { .. } => 1.into(),
-        Response::Health(h) if !h.healthy => 1.into(),
+        Response::Health(h) if !h.healthy => UNHEALTHY_EXIT.into(),
         Response::JobReport(r) if matches!(a.cmd, Cmd::JobEnd { .. }) && !r.faults.is_empty() => {
             HIT_EXIT.into()
         }

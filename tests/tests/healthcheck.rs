@@ -1,0 +1,120 @@
+//! The health check script (scripts/slurm/mpsr-healthcheck) against stand-ins for `mpsrctl` and
+//! `scontrol` (no Slurm, no agent): it acts on mpsrctl's exit status only, drains with the agent's
+//! reason, resumes only its own drains, and never drains on an error reply or a missing agent.
+//! (The same script against real slurmctld and agents: tests/slurm.rs.)
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+struct Stand {
+    dir: PathBuf,
+}
+
+impl Stand {
+    /// `mpsrctl` exits `rc` printing `out` (stdout) and `err` (stderr); `scontrol show node`
+    /// reports `state` and `reason`; every scontrol call is logged.
+    fn new(name: &str, rc: i32, out: &str, err: &str, state: &str, reason: &str) -> Stand {
+        let dir =
+            std::env::temp_dir().join(format!("mpsr-healthcheck-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = dir.display();
+        let script = |p: &Path, body: String| {
+            std::fs::write(p, body).unwrap();
+            std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+        };
+        script(
+            &dir.join("mpsrctl"),
+            format!(
+                "#!/bin/bash\necho \"$*\" >> {d}/mpsrctl.args\nprintf '%s' '{out}'\nprintf '%s' '{err}' >&2\nexit {rc}\n"
+            ),
+        );
+        script(
+            &dir.join("scontrol"),
+            format!(
+                "#!/bin/bash\necho \"$*\" >> {d}/scontrol.log\nif [ \"$1 $2\" = \"-o show\" ]; then echo 'NodeName=n1 Arch=x86_64 State={state} Reason={reason}'; fi\n"
+            ),
+        );
+        std::fs::write(
+            dir.join("scripts.conf"),
+            format!("MPSRCTL={d}/mpsrctl\nSCONTROL={d}/scontrol\nMPSR_SOCKET={d}/agent.sock\n"),
+        )
+        .unwrap();
+        Stand { dir }
+    }
+
+    fn run(&self) -> String {
+        let script = mpsr_e2e::script("mpsr-healthcheck");
+        let out = Command::new("bash")
+            .arg(script)
+            .env("MPSR_SCRIPTS_CONF", self.dir.join("scripts.conf"))
+            .env("SLURMD_NODENAME", "n1")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The scontrol updates the script made.
+    fn updates(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.join("scontrol.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("update"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl Drop for Stand {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+const REASON: &str = "mpsr: xid 79 (device_lost) on gpu0 of n1";
+
+#[test]
+fn unhealthy_drains_with_the_agents_reason() {
+    let s = Stand::new("unhealthy", 5, REASON, "", "IDLE", "none");
+    s.run();
+    assert_eq!(
+        s.updates(),
+        vec![format!("update NodeName=n1 State=DRAIN Reason={REASON}")]
+    );
+    let args = std::fs::read_to_string(s.dir.join("mpsrctl.args")).unwrap();
+    assert!(args.contains("health --reason"), "{args}");
+}
+
+#[test]
+fn an_error_reply_or_no_agent_drains_nothing() {
+    // 1: the agent answered with an error (e.g. refused); 3: no agent; 124: timed out; 2: usage.
+    for rc in [1, 2, 3, 124] {
+        let s = Stand::new(
+            &format!("rc{rc}"),
+            rc,
+            "node n1 UNHEALTHY: looks bad",
+            "mpsrctl: agent said no",
+            "IDLE",
+            "none",
+        );
+        let out = s.run();
+        assert!(s.updates().is_empty(), "rc {rc}: {:?}", s.updates());
+        assert!(out.contains("no verdict"), "rc {rc}: {out}");
+    }
+}
+
+#[test]
+fn healthy_resumes_only_its_own_drain() {
+    let ours = Stand::new("ours", 0, "", "", "IDLE+DRAIN", REASON);
+    ours.run();
+    assert_eq!(ours.updates(), vec!["update NodeName=n1 State=RESUME"]);
+    let theirs = Stand::new("theirs", 0, "", "", "IDLE+DRAIN", "admin: maintenance");
+    theirs.run();
+    assert!(theirs.updates().is_empty(), "{:?}", theirs.updates());
+    // Unhealthy, but drained by someone else already: left alone.
+    let other = Stand::new("other", 5, REASON, "", "IDLE+DRAIN", "admin: maintenance");
+    other.run();
+    assert!(other.updates().is_empty(), "{:?}", other.updates());
+}
