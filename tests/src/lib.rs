@@ -657,12 +657,29 @@ gpus = {}
 
     /// Injects a simulated Xid into one fault domain's server (`slot`, 0 = shared).
     pub fn inject_in(&self, node: &str, gpu: u32, xid: u32, slot: Option<u32>) -> Result<Vec<u32>> {
+        self.sim_inject(node, gpu, xid, None, slot)
+    }
+
+    /// Injects a simulated Xid caused by the client `pid` (what the simulated driver patch,
+    /// `[sim] driver_patch`, names and contains).
+    pub fn inject_culprit(&self, node: &str, gpu: u32, xid: u32, pid: u32) -> Result<Vec<u32>> {
+        self.sim_inject(node, gpu, xid, Some(pid), None)
+    }
+
+    fn sim_inject(
+        &self,
+        node: &str,
+        gpu: u32,
+        xid: u32,
+        culprit: Option<u32>,
+        slot: Option<u32>,
+    ) -> Result<Vec<u32>> {
         match self.agent_call(
             node,
             &Request::SimInject {
                 gpu,
                 xid,
-                culprit: None,
+                culprit,
                 slot,
             },
         )? {

@@ -763,3 +763,72 @@ fn skip(why: &str) {
         }
     }
 }
+
+/// The driver patch's containment (phase B, SIMULATED: `[sim] driver_patch = "containment"`) on
+/// real Slurm: two batch jobs share GPU 0's server; an MMU fault of one is contained to it. The
+/// agent terminates the culprit's client, so its job ends FAILED and is never requeued; the other
+/// job's process is untouched and completes on its first run; nothing is drained.
+#[test]
+fn a_contained_fault_fails_only_the_culprit_job() {
+    let Some((_g, c)) = cluster(Options {
+        agent_extra: "driver_patch = \"containment\"\n".into(),
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let submit = |secs: u32| {
+        let id = c
+            .sbatch(
+                "nobody",
+                "-w n1 --gres=shard:1 --mps-resilient",
+                &client_script(secs, 1),
+            )
+            .unwrap();
+        c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+        id
+    };
+    let victim = submit(20);
+    let culprit = submit(300);
+    let pid_of = |job: u32| {
+        wait_for(&format!("job {job} registered on gpu0"), SHORT, || {
+            c.agent_status("n1")
+                .ok()?
+                .tasks
+                .into_iter()
+                .find(|t| t.job_id == job && t.gpus == vec![0])
+                .map(|t| t.pid)
+        })
+        .unwrap()
+    };
+    let (victim_pid, culprit_pid) = (pid_of(victim), pid_of(culprit));
+    assert!(c.clients("n1", 0).contains(&victim_pid));
+    let killed = c.inject_culprit("n1", 0, 31, culprit_pid).unwrap();
+    assert!(
+        killed.is_empty(),
+        "the contained fault kills nobody: {killed:?}"
+    );
+    c.wait_job_state(culprit, &["FAILED"], LONG).unwrap();
+    assert_eq!(
+        c.job_field(culprit, "Restarts"),
+        "0",
+        "the culprit is not requeued"
+    );
+    assert!(
+        c.clients("n1", 0).contains(&victim_pid),
+        "the victim's client runs on in the same server"
+    );
+    c.wait_job_state(victim, &["COMPLETED"], LONG).unwrap();
+    assert_eq!(c.job_field(victim, "Restarts"), "0");
+    let ev = match c.agent_call("n1", &Request::Events { limit: 10 }).unwrap() {
+        Response::Events { events, .. } => events,
+        r => panic!("{r:?}"),
+    };
+    let f = ev
+        .iter()
+        .find(|f| f.culprit == Some(culprit_pid))
+        .expect("the decision");
+    assert!(f.contained, "{f}");
+    assert_eq!(f.hit_jobs, vec![culprit], "{f}");
+    assert!(f.spared_jobs.contains(&victim), "{f}");
+    assert!(not_drained(&c, "n1"));
+}
