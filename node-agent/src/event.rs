@@ -220,6 +220,36 @@ mod tests {
     }
 
     #[test]
+    fn an_xid_after_a_contained_line_is_news() {
+        // The isolation line (xid=31, contained=1) decides first; the firmware's own Xid 31 a
+        // moment later brings no new Xid, yet refutes the containment: it must be re-decided.
+        let mut c = Correlator::new(Duration::from_millis(500));
+        let t = Instant::now();
+        let mut n = 0;
+        let mut id = || {
+            n += 1;
+            n
+        };
+        let mut iso = sig(Source::Isolation, Some(31), t);
+        iso.culprit = Some((4242, true));
+        assert_eq!(c.merge(0, &iso, &mut id), Merge::New(1));
+        assert!(c.get(1).unwrap().contained());
+        assert_eq!(
+            c.merge(
+                0,
+                &sig(Source::Kmsg, Some(31), t + Duration::from_millis(2)),
+                &mut id
+            ),
+            Merge::Joined {
+                id: 1,
+                changed: true
+            }
+        );
+        assert!(!c.get(1).unwrap().contained());
+        assert_eq!(c.get(1).unwrap().culprit, Some(4242));
+    }
+
+    #[test]
     fn nvml_and_kmsg_of_one_fault_merge() {
         let mut c = Correlator::new(Duration::from_millis(500));
         let t = Instant::now();
