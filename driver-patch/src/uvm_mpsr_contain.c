@@ -129,8 +129,11 @@ static NV_STATUS contain_page(uvm_gpu_t *gpu, uvm_va_space_t *va_space, struct m
 		return NV_ERR_NOT_SUPPORTED;
 	/* Checked again under the lock for write: a range may have been mapped meanwhile (then the
 	 * replay simply succeeds or faults as a normal fault). */
-	if (mpsr_contain_region(addr, UVM_PAGE_SIZE_4K, MPSR_CONTAIN_BLOCK, region_free, &ctx,
-				&start, &size) != 0)
+	/* With HMM the block around the page may hold CPU memory the GPU reaches through HMM (its
+	 * va_blocks are not in the range tree): there only the faulting page, which no vma covers. */
+	if (mpsr_contain_region(addr, UVM_PAGE_SIZE_4K,
+				uvm_hmm_is_enabled(va_space) ? UVM_PAGE_SIZE_4K : MPSR_CONTAIN_BLOCK,
+				region_free, &ctx, &start, &size) != 0)
 		return NV_ERR_UVM_ADDRESS_IN_USE;
 
 	/* Zeroed system memory of its own: nothing of another tenant can be read through it. */
