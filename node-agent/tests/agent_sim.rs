@@ -450,6 +450,47 @@ fn an_attributed_fault_names_the_culprit_and_still_hits_its_server() {
     );
 }
 
+/// A line that lies: `contained=1` for a client whose fault is then cancelled after all (the
+/// stock driver's Xid and server fault follow within the correlation window). The agent first
+/// acts on the claim (the culprit alone), then re-decides on the refutation: everyone in the
+/// server is hit, the named culprit failed, the other job requeued.
+#[test]
+fn a_contained_claim_refuted_by_the_xid_that_follows_hits_the_whole_server() {
+    let e = Env::new("");
+    let mut a = e.client(0, 30.0, false);
+    let mut b = e.client(0, 30.0, false);
+    e.register(1, a.id(), &[0], Mode::Requeue, true);
+    e.register(2, b.id(), &[0], Mode::Requeue, true);
+    let line = format!(
+        "NVRM: mpsr-isolate (PCI:{}): xid=31 culprit_pid={} contained=1 (simulated lie)",
+        mpsr_simgpu::gpu_pci(0),
+        b.id()
+    );
+    let r = mpsr_simgpu::call(
+        &e.path().join("run"),
+        &mpsr_simgpu::SimRequest::KernelLine { line },
+        Duration::from_secs(3),
+    );
+    assert!(matches!(r, Ok(mpsr_simgpu::SimReply::Ok)), "{r:?}");
+    // The stock fault (no driver patch): both clients die, Xid and server fault reported.
+    e.inject(0, 31, None, None);
+    assert_eq!(exit_code(&mut a, Duration::from_secs(5)), Some(1));
+    assert_eq!(exit_code(&mut b, Duration::from_secs(5)), Some(1));
+    e.wait_for("re-decided: both hit, the other job requeued", |e| {
+        e.events()
+            .first()
+            .is_some_and(|f| f.hit_jobs == vec![1, 2] && !f.contained)
+            && e.scontrol_log().contains("requeue 1")
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.culprit_job, Some(2), "{f:?}");
+    assert!(f.sources.contains(&"isolation".to_string()), "{f:?}");
+    assert!(
+        !e.scontrol_log().contains("requeue 2"),
+        "the named culprit is failed"
+    );
+}
+
 /// A line naming a process that is no registered task (here: an unregistered client of the
 /// same server) is not trusted: nobody is terminated, and with no server showing a fault nobody
 /// is hit.

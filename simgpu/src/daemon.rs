@@ -241,6 +241,10 @@ impl SimGpus {
                 slot,
             } => self.inject(gpu, xid, culprit, slot).map(SimReply::Killed),
             SimRequest::Recover { gpu } => self.recover(gpu).map(|_| SimReply::Ok),
+            SimRequest::KernelLine { line } => {
+                self.emit_kmsg(line);
+                Ok(SimReply::Ok)
+            }
             SimRequest::Subscribe | SimRequest::Quit => Ok(SimReply::Ok),
         };
         r.unwrap_or_else(SimReply::Error)

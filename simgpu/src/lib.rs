@@ -103,6 +103,11 @@ pub enum SimRequest {
     Recover {
         gpu: u32,
     },
+    /// Prints a kernel-log line as a driver would, nothing else happening: for tests of lines
+    /// that lie (an isolation line claiming `contained=1` for a fault that is then cancelled).
+    KernelLine {
+        line: String,
+    },
     /// Turns the connection into a stream of [`SimEvent`] lines.
     Subscribe,
     Quit,
