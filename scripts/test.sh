@@ -42,6 +42,20 @@ touch "$deb_root/var/lib/dpkg/status"
 dpkg --root="$deb_root" --force-depends -i target/debian/*.deb >/dev/null 2>&1 ||
   { echo "test: installing the packages into $deb_root failed" >&2; exit 1; }
 export MPSR_INSTALLED_ROOT="$deb_root"
+# The packaged systemd unit, as systemd reads it (unknown keys, bad values, a missing ExecStart
+# binary): it is not started here (no systemd as PID 1), so this is its check.
+unit="$deb_root/lib/systemd/system/mps-resilient-agent.service"
+if command -v systemd-analyze >/dev/null; then
+  mkdir -p target/unit-check
+  sed "s#/usr/bin/#$deb_root/usr/bin/#g" "$unit" > target/unit-check/mps-resilient-agent.service
+  verdict=$(systemd-analyze verify target/unit-check/mps-resilient-agent.service 2>&1)
+  if [ -n "$verdict" ]; then
+    echo "test: systemd-analyze verify of the packaged unit:" >&2; echo "$verdict" >&2; exit 1
+  fi
+  echo "test: packaged systemd unit verified (systemd-analyze verify)"
+else
+  echo "systemd unit: systemd-analyze not installed (unit not verified)" >> "$MPSR_SKIP_LOG"
+fi
 if [ "$(id -u)" -ne 0 ]; then
   echo "test: the real-Slurm tests need root; running cargo test under sudo"
   sudo -E env "PATH=$PATH" "MPSR_SKIP_LOG=$MPSR_SKIP_LOG" "MPSR_INSTALLED_ROOT=$MPSR_INSTALLED_ROOT" cargo test --workspace --locked
