@@ -42,6 +42,12 @@ touch "$deb_root/var/lib/dpkg/status"
 dpkg --root="$deb_root" --force-depends -i target/debian/*.deb >/dev/null 2>&1 ||
   { echo "test: installing the packages into $deb_root failed" >&2; exit 1; }
 export MPSR_INSTALLED_ROOT="$deb_root"
+# The packages as a site installs them: into a clean Debian root by apt, dependencies resolved.
+if [ "$(id -u)" -eq 0 ]; then
+  bash scripts/clean-install.sh bookworm target/debian
+else
+  sudo bash scripts/clean-install.sh bookworm target/debian
+fi
 # The packaged systemd unit, as systemd reads it (unknown keys, bad values, a missing ExecStart
 # binary): it is not started here (no systemd as PID 1), so this is its check.
 unit="$deb_root/lib/systemd/system/mps-resilient-agent.service"
