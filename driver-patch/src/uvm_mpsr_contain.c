@@ -4,10 +4,11 @@
  * raises a GR exception, and the GSP firmware tears down the whole TSG: under MPS every client of
  * the server dies (Xid 31). For a graphics-engine access to an address nothing is mapped at, this
  * maps a zeroed scratch page there instead (uvm_va_range_create_mpsr_scratch(): a
- * SKED-reflected-type range of the VA space whose PTEs all point to it), lets the replay complete the access, and prints `contained=1`: the
- * culprit goes on with wrong data until the node agent ends it (MPS terminate_client, measured
- * to spare the other clients), the other clients never notice. Budget per VA space; any failure
- * falls back to the stock cancel. Off unless uvm_mpsr_containment=1.
+ * SKED-reflected-type range of the VA space whose PTEs all point to it), lets the replay complete
+ * the access, and prints `contained=1`: the culprit goes on with wrong data until the node agent
+ * ends it (MPS terminate_client, measured to spare the other clients), the other clients never
+ * notice. Only where the cancel would hurt another VA space (a shared TSG, i.e. MPS). Budget per
+ * VA space; any failure falls back to the stock cancel. Off unless uvm_mpsr_containment=1.
  * SPDX-License-Identifier: MIT */
 #include "uvm_mpsr_contain.h"
 #include "uvm_mpsr.h"
