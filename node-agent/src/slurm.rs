@@ -93,7 +93,11 @@ impl Scontrol {
                 restarts_before,
             } => {
                 if let (true, Some(before)) = (verify, restarts_before) {
-                    if let Ok(now) = self.job_restarts(*job_id) {
+                    if let Ok(Some(JobFacts {
+                        restarts: Some(now),
+                        ..
+                    })) = self.job_facts(*job_id)
+                    {
                         if now > *before {
                             return Outcome::Done(format!(
                                 "job {job_id} already requeued (Restarts={now})"
@@ -104,7 +108,8 @@ impl Scontrol {
                 let id = job_id.to_string();
                 match self.run(&["requeue", &id]) {
                     Ok((true, _)) => Outcome::Done(format!("requeued job {job_id}")),
-                    Ok((false, out)) => classify_requeue_error(*job_id, &out),
+                    // Why it failed is read from the job's fields, not from the error's words.
+                    Ok((false, out)) => after_failed_requeue(*job_id, out, self.job_facts(*job_id)),
                     Err(e) => Outcome::Retry(e),
                 }
             }
@@ -117,30 +122,51 @@ impl Scontrol {
                         ));
                     }
                     Ok(_) => {}
-                    Err(e) => return Outcome::Retry(e),
+                    Err(e) => return self.drain_failed(node, e),
                 }
                 let reason_arg = format!("Reason={reason}");
                 let node_arg = format!("NodeName={node}");
                 match self.run(&["update", &node_arg, "State=DRAIN", &reason_arg]) {
                     Ok((true, _)) => Outcome::Done(format!("drained node {node}")),
-                    Ok((false, out)) if out.contains("Invalid node name") => {
-                        Outcome::Permanent(format!("drain {node}: {out}"))
-                    }
-                    Ok((false, out)) => Outcome::Retry(out),
+                    Ok((false, out)) => self.drain_failed(node, out),
                     Err(e) => Outcome::Retry(e),
                 }
             }
         }
     }
 
-    /// Slurm's restart count of a job (`scontrol show job -o`).
-    pub fn job_restarts(&self, job_id: u32) -> Result<u32, String> {
-        match self.run(&["show", "job", &job_id.to_string(), "-o"]) {
-            Ok((true, out)) => out
-                .split_whitespace()
-                .find_map(|t| t.strip_prefix("Restarts="))
-                .and_then(|v| v.parse().ok())
-                .ok_or_else(|| format!("no Restarts= in: {out}")),
+    /// What Slurm says of a job (`scontrol show job ID -o`): `None` when Slurm answers and does
+    /// not list it (gone); an error when Slurm cannot be asked.
+    pub fn job_facts(&self, job_id: u32) -> Result<Option<JobFacts>, String> {
+        let id = job_id.to_string();
+        match self.run(&["show", "job", &id, "-o"]) {
+            Ok((true, out)) => Ok(Some(JobFacts::parse(&out))),
+            // Unknown job or no controller: the full list tells which.
+            Ok((false, out)) => match self.listed(&["show", "job", "-o"], "JobId", &id) {
+                Ok(false) => Ok(None),
+                _ => Err(out),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A node Slurm answers for and does not list will not appear by retrying.
+    fn drain_failed(&self, node: &str, out: String) -> Outcome {
+        match self.listed(&["show", "node", "-o"], "NodeName", node) {
+            Ok(false) => {
+                Outcome::Permanent(format!("drain {node}: Slurm has no such node ({out})"))
+            }
+            _ => Outcome::Retry(out),
+        }
+    }
+
+    /// Whether the one-line-per-entry listing `args` (exit 0) has an entry whose `key=` field
+    /// is `value`; an error when the listing fails.
+    fn listed(&self, args: &[&str], key: &str, value: &str) -> Result<bool, String> {
+        match self.run(args) {
+            Ok((true, out)) => Ok(out
+                .lines()
+                .any(|l| field(l, key).is_some_and(|v| v == value))),
             Ok((false, out)) => Err(out),
             Err(e) => Err(e),
         }
@@ -177,22 +203,57 @@ impl Scontrol {
     }
 }
 
-pub fn classify_requeue_error(job_id: u32, out: &str) -> Outcome {
-    if out.contains("Only batch jobs") {
-        Outcome::Permanent(format!(
+/// The fields of `scontrol show job -o` a requeue depends on; `None` where Slurm did not say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobFacts {
+    pub state: Option<String>,
+    pub batch: Option<bool>,
+    pub requeueable: Option<bool>,
+    pub restarts: Option<u32>,
+}
+
+impl JobFacts {
+    pub fn parse(line: &str) -> JobFacts {
+        let flag = |k| {
+            field(line, k)
+                .and_then(|v| v.parse::<u32>().ok())
+                .map(|v| v != 0)
+        };
+        JobFacts {
+            state: field(line, "JobState").map(str::to_string),
+            batch: flag("BatchFlag"),
+            requeueable: flag("Requeue"),
+            restarts: field(line, "Restarts").and_then(|v| v.parse().ok()),
+        }
+    }
+}
+
+/// The value of `key=` on a `key=value ...` line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|t| t.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+}
+
+/// A requeue scontrol refused, judged by what Slurm says of the job afterwards (its fields), not
+/// by the refusal's wording: gone, not a batch job or not requeueable will not change by retrying;
+/// pending means it was requeued already; anything else (or no answer) is retried.
+pub fn after_failed_requeue(
+    job_id: u32,
+    out: String,
+    facts: Result<Option<JobFacts>, String>,
+) -> Outcome {
+    match facts {
+        Ok(None) => Outcome::Permanent(format!("job {job_id} no longer exists")),
+        Ok(Some(f)) if f.batch == Some(false) => Outcome::Permanent(format!(
             "job {job_id} is not a batch job; Slurm cannot requeue it"
-        ))
-    } else if out.contains("pending execution") || out.contains("already pending") {
-        Outcome::Done(format!("job {job_id} already pending (requeued before)"))
-    } else if out.contains("Invalid job id") {
-        Outcome::Permanent(format!("job {job_id} no longer exists"))
-    } else if out.contains("disabled")
-        || out.contains("not requeueable")
-        || out.contains("Requeue") && out.contains("not")
-    {
-        Outcome::Permanent(format!("job {job_id}: {out}"))
-    } else {
-        Outcome::Retry(out.to_string())
+        )),
+        Ok(Some(f)) if f.state.as_deref() == Some("PENDING") => {
+            Outcome::Done(format!("job {job_id} already pending (requeued before)"))
+        }
+        Ok(Some(f)) if f.requeueable == Some(false) => Outcome::Permanent(format!(
+            "job {job_id} is not requeueable (Requeue=0): {out}"
+        )),
+        Ok(Some(_)) | Err(_) => Outcome::Retry(out),
     }
 }
 
@@ -221,29 +282,55 @@ mod tests {
     use super::*;
 
     #[test]
-    fn requeue_errors() {
+    fn a_refused_requeue_is_judged_by_the_jobs_fields() {
+        let facts = |l: &str| Ok(Some(JobFacts::parse(l)));
+        let err = || "whatever scontrol said".to_string();
+        let line = "JobId=3 JobName=x UserId=nobody(65534) JobState=RUNNING Reason=None Requeue=1 Restarts=0 BatchFlag=1 Reboot=0";
+        assert_eq!(
+            JobFacts::parse(line),
+            JobFacts {
+                state: Some("RUNNING".into()),
+                batch: Some(true),
+                requeueable: Some(true),
+                restarts: Some(0)
+            }
+        );
         assert!(matches!(
-            classify_requeue_error(
-                3,
-                "scontrol: error: Only batch jobs are accepted or processed for job 3"
-            ),
+            after_failed_requeue(3, err(), Ok(None)),
             Outcome::Permanent(_)
         ));
         assert!(matches!(
-            classify_requeue_error(
+            after_failed_requeue(3, err(), facts("JobId=3 JobState=RUNNING Requeue=1 BatchFlag=0")),
+            Outcome::Permanent(m) if m.contains("not a batch job")
+        ));
+        assert!(matches!(
+            after_failed_requeue(
                 3,
-                "Requeue of JobId=3 returned an error: Job is pending execution"
+                err(),
+                facts("JobId=3 JobState=PENDING Requeue=1 Restarts=1 BatchFlag=1")
             ),
             Outcome::Done(_)
         ));
         assert!(matches!(
-            classify_requeue_error(3, "Invalid job id specified"),
-            Outcome::Permanent(_)
+            after_failed_requeue(3, err(), facts("JobId=3 JobState=RUNNING Requeue=0 BatchFlag=1")),
+            Outcome::Permanent(m) if m.contains("Requeue=0")
         ));
+        // Requeueable, running, batch: the refusal was something passing; no answer at all too.
         assert!(matches!(
-            classify_requeue_error(3, "Unable to contact slurm controller (connect failure)"),
+            after_failed_requeue(3, err(), facts(line)),
             Outcome::Retry(_)
         ));
+        assert!(matches!(
+            after_failed_requeue(3, err(), Err("connect failure".into())),
+            Outcome::Retry(_)
+        ));
+        // Fields Slurm did not print decide nothing.
+        assert!(matches!(
+            after_failed_requeue(3, err(), facts("JobId=3")),
+            Outcome::Retry(_)
+        ));
+        assert_eq!(field("JobId=3 JobIdRaw=4 Restarts=2", "JobId"), Some("3"));
+        assert_eq!(field("JobIdRaw=4", "JobId"), None);
     }
 
     #[test]
@@ -273,6 +360,82 @@ mod tests {
         ));
         assert_eq!(s.backoff(0), Duration::from_millis(500));
         assert_eq!(s.backoff(30), Duration::from_millis(60_000));
+    }
+
+    /// An scontrol stand-in: `requeue` and `show job ID` fail; `show job` (all) lists `listing`
+    /// or, with `None`, fails like a controller that does not answer.
+    fn refusing_scontrol(name: &str, listing: Option<&str>) -> (Scontrol, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("mpsr-slurm-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let shim = dir.join("scontrol");
+        let all = match listing {
+            Some(l) => format!("echo '{l}'; exit 0"),
+            None => "echo 'Unable to contact slurm controller' >&2; exit 1".into(),
+        };
+        std::fs::write(
+            &shim,
+            format!(
+                "#!/bin/sh
+if [ \"$1 $2 $3\" = 'show job -o' ]; then {all}; fi
+echo 'some error' >&2
+exit 1\n"
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let s = Scontrol::new(SlurmConfig {
+            scontrol: shim,
+            ..SlurmConfig::default()
+        });
+        (s, dir)
+    }
+
+    #[test]
+    fn a_job_slurm_no_longer_lists_is_gone_only_when_slurm_answers() {
+        let op = SlurmOp::Requeue {
+            job_id: 9,
+            restarts_before: None,
+        };
+        let (s, dir) = refusing_scontrol("gone", Some("JobId=8 JobState=RUNNING BatchFlag=1"));
+        assert!(
+            matches!(s.execute(&op, false), Outcome::Permanent(m) if m.contains("no longer exists"))
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let (s, dir) = refusing_scontrol("listed", Some("JobId=9 JobState=RUNNING BatchFlag=1"));
+        assert!(matches!(s.execute(&op, false), Outcome::Retry(_)));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (s, dir) = refusing_scontrol("down", None);
+        assert!(matches!(s.execute(&op, false), Outcome::Retry(_)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_node_slurm_does_not_list_is_not_drained_again_and_again() {
+        let dir = std::env::temp_dir().join(format!("mpsr-slurm-node-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let shim = dir.join("scontrol");
+        std::fs::write(
+            &shim,
+            "#!/bin/sh\nif [ \"$1 $2 $3\" = 'show node -o' ]; then echo 'NodeName=n1 State=IDLE'; exit 0; fi\nexit 1\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let s = Scontrol::new(SlurmConfig {
+            scontrol: shim,
+            ..SlurmConfig::default()
+        });
+        let drain = |node: &str| SlurmOp::Drain {
+            node: node.into(),
+            reason: "mpsr: test".into(),
+        };
+        assert!(
+            matches!(s.execute(&drain("n7"), false), Outcome::Permanent(m) if m.contains("no such node"))
+        );
+        // Listed: a refusal is retried.
+        assert!(matches!(s.execute(&drain("n1"), false), Outcome::Retry(_)));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
