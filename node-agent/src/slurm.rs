@@ -362,33 +362,46 @@ mod tests {
         assert_eq!(s.backoff(30), Duration::from_millis(60_000));
     }
 
-    /// An scontrol stand-in: `requeue` and `show job ID` fail; `show job` (all) lists `listing`
-    /// or, with `None`, fails like a controller that does not answer.
-    fn refusing_scontrol(name: &str, listing: Option<&str>) -> (Scontrol, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!("mpsr-slurm-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let shim = dir.join("scontrol");
+    /// An scontrol stand-in running `body` (sh), in a directory of its own (removed on drop).
+    struct Shim {
+        dir: std::path::PathBuf,
+        scontrol: Scontrol,
+    }
+
+    impl Shim {
+        fn new(name: &str, body: &str) -> Shim {
+            let dir =
+                std::env::temp_dir().join(format!("mpsr-slurm-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let shim = dir.join("scontrol");
+            std::fs::write(&shim, format!("#!/bin/sh\nD={}\n{body}\n", dir.display())).unwrap();
+            std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+            let scontrol = Scontrol::new(SlurmConfig {
+                scontrol: shim,
+                ..SlurmConfig::default()
+            });
+            Shim { dir, scontrol }
+        }
+    }
+
+    impl Drop for Shim {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// `requeue` and `show job ID` fail; `show job` (all) lists `listing` or, with `None`, fails
+    /// like a controller that does not answer.
+    fn refusing_scontrol(name: &str, listing: Option<&str>) -> Shim {
         let all = match listing {
             Some(l) => format!("echo '{l}'; exit 0"),
             None => "echo 'Unable to contact slurm controller' >&2; exit 1".into(),
         };
-        std::fs::write(
-            &shim,
-            format!(
-                "#!/bin/sh
-if [ \"$1 $2 $3\" = 'show job -o' ]; then {all}; fi
-echo 'some error' >&2
-exit 1\n"
-            ),
+        Shim::new(
+            name,
+            &format!("if [ \"$1 $2 $3\" = 'show job -o' ]; then {all}; fi\necho 'some error' >&2\nexit 1"),
         )
-        .unwrap();
-        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-        let s = Scontrol::new(SlurmConfig {
-            scontrol: shim,
-            ..SlurmConfig::default()
-        });
-        (s, dir)
     }
 
     #[test]
@@ -397,78 +410,63 @@ exit 1\n"
             job_id: 9,
             restarts_before: None,
         };
-        let (s, dir) = refusing_scontrol("gone", Some("JobId=8 JobState=RUNNING BatchFlag=1"));
+        let gone = refusing_scontrol("gone", Some("JobId=8 JobState=RUNNING BatchFlag=1"));
         assert!(
-            matches!(s.execute(&op, false), Outcome::Permanent(m) if m.contains("no longer exists"))
+            matches!(gone.scontrol.execute(&op, false), Outcome::Permanent(m) if m.contains("no longer exists"))
         );
-        let _ = std::fs::remove_dir_all(&dir);
-        let (s, dir) = refusing_scontrol("listed", Some("JobId=9 JobState=RUNNING BatchFlag=1"));
-        assert!(matches!(s.execute(&op, false), Outcome::Retry(_)));
-        let _ = std::fs::remove_dir_all(&dir);
-        let (s, dir) = refusing_scontrol("down", None);
-        assert!(matches!(s.execute(&op, false), Outcome::Retry(_)));
-        let _ = std::fs::remove_dir_all(&dir);
+        let listed = refusing_scontrol("listed", Some("JobId=9 JobState=RUNNING BatchFlag=1"));
+        assert!(matches!(
+            listed.scontrol.execute(&op, false),
+            Outcome::Retry(_)
+        ));
+        let down = refusing_scontrol("down", None);
+        assert!(matches!(
+            down.scontrol.execute(&op, false),
+            Outcome::Retry(_)
+        ));
     }
 
     #[test]
     fn a_node_slurm_does_not_list_is_not_drained_again_and_again() {
-        let dir = std::env::temp_dir().join(format!("mpsr-slurm-node-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let shim = dir.join("scontrol");
-        std::fs::write(
-            &shim,
-            "#!/bin/sh\nif [ \"$1 $2 $3\" = 'show node -o' ]; then echo 'NodeName=n1 State=IDLE'; exit 0; fi\nexit 1\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-        let s = Scontrol::new(SlurmConfig {
-            scontrol: shim,
-            ..SlurmConfig::default()
-        });
+        let shim = Shim::new(
+            "node",
+            "if [ \"$1 $2 $3\" = 'show node -o' ]; then echo 'NodeName=n1 State=IDLE'; exit 0; fi\nexit 1",
+        );
         let drain = |node: &str| SlurmOp::Drain {
             node: node.into(),
             reason: "mpsr: test".into(),
         };
         assert!(
-            matches!(s.execute(&drain("n7"), false), Outcome::Permanent(m) if m.contains("no such node"))
+            matches!(shim.scontrol.execute(&drain("n7"), false), Outcome::Permanent(m) if m.contains("no such node"))
         );
         // Listed: a refusal is retried.
-        assert!(matches!(s.execute(&drain("n1"), false), Outcome::Retry(_)));
-        let _ = std::fs::remove_dir_all(&dir);
+        assert!(matches!(
+            shim.scontrol.execute(&drain("n1"), false),
+            Outcome::Retry(_)
+        ));
     }
 
     #[test]
     fn a_requeue_that_may_have_run_is_verified_and_not_repeated() {
-        let dir = std::env::temp_dir().join(format!("mpsr-slurm-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let shim = dir.join("scontrol");
         // Slurm already shows the job requeued once; a requeue call is recorded.
-        std::fs::write(
-            &shim,
-            format!(
-                "#!/bin/sh\ncase \"$1\" in show) echo 'JobId=7 JobState=PENDING Restarts=1';; *) echo \"$@\" >> {}/calls;; esac\n",
-                dir.display()
-            ),
-        )
-        .unwrap();
-        std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-        let s = Scontrol::new(SlurmConfig {
-            scontrol: shim,
-            ..SlurmConfig::default()
-        });
+        let shim = Shim::new(
+            "verify",
+            "case \"$1\" in show) echo 'JobId=7 JobState=PENDING Restarts=1';; *) echo \"$@\" >> $D/calls;; esac",
+        );
         let op = SlurmOp::Requeue {
             job_id: 7,
             restarts_before: Some(0),
         };
+        let s = &shim.scontrol;
         assert!(matches!(s.execute(&op, true), Outcome::Done(m) if m.contains("already requeued")));
-        assert!(!dir.join("calls").exists(), "requeue must not run again");
+        assert!(
+            !shim.dir.join("calls").exists(),
+            "requeue must not run again"
+        );
         // A fresh action is not verified (no extra scontrol call on the fast path).
         assert!(matches!(s.execute(&op, false), Outcome::Done(_)));
-        assert!(std::fs::read_to_string(dir.join("calls"))
+        assert!(std::fs::read_to_string(shim.dir.join("calls"))
             .unwrap()
             .contains("requeue 7"));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

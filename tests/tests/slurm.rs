@@ -37,13 +37,14 @@ fn client_script(first_s: u32, again_s: u32) -> String {
     )
 }
 
-/// A protected batch job on n1's GPU 0 (as nobody), running and registered with the agent.
-fn protected_batch_job(c: &Cluster) -> u32 {
+/// A protected batch job on n1's GPU 0 (as nobody), running and registered with the agent; its
+/// client runs `first_s` seconds on the first run, 1 s on a later one.
+fn protected_batch_job(c: &Cluster, first_s: u32) -> u32 {
     let id = c
         .sbatch(
             "nobody",
             "-w n1 --gres=shard:1 --mps-resilient",
-            &client_script(120, 1),
+            &client_script(first_s, 1),
         )
         .unwrap();
     c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
@@ -247,7 +248,7 @@ fn device_lost_drains_and_healthcheck_resumes_after_recovery() {
     };
     c.cmd("scontrol update NodeName=n2 State=DRAIN Reason='admin: maintenance'")
         .unwrap();
-    let id = protected_batch_job(&c);
+    let id = protected_batch_job(&c, 120);
     c.inject("n1", 0, 79).unwrap();
     let reason = wait_for("n1 drained by the agent", SHORT, || {
         let n = c.node("n1");
@@ -445,7 +446,7 @@ fn bad_input_is_refused_clearly() {
     c.start_agent("n1").unwrap();
 
     // Agent killed mid-job and restarted: the registration survives and a fault still requeues.
-    let id = protected_batch_job(&c);
+    let id = protected_batch_job(&c, 120);
     c.stop_agent("n1", true);
     c.start_agent("n1").unwrap();
     assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
@@ -611,7 +612,7 @@ fn a_requeue_while_slurmctld_is_down_is_done_once_it_is_back() {
     let Some((_g, mut c)) = cluster(Options::default()) else {
         return;
     };
-    let id = protected_batch_job(&c);
+    let id = protected_batch_job(&c, 120);
     wait_for("its client attached", SHORT, || {
         (!c.clients("n1", 0).is_empty()).then_some(())
     })
@@ -776,19 +777,8 @@ fn a_contained_fault_fails_only_the_culprit_job() {
     }) else {
         return;
     };
-    let submit = |secs: u32| {
-        let id = c
-            .sbatch(
-                "nobody",
-                "-w n1 --gres=shard:1 --mps-resilient",
-                &client_script(secs, 1),
-            )
-            .unwrap();
-        c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
-        id
-    };
-    let victim = submit(20);
-    let culprit = submit(300);
+    let victim = protected_batch_job(&c, 20);
+    let culprit = protected_batch_job(&c, 300);
     let pid_of = |job: u32| {
         wait_for(&format!("job {job} registered on gpu0"), SHORT, || {
             c.agent_status("n1")
