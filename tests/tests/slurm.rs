@@ -791,7 +791,13 @@ fn a_contained_fault_fails_only_the_culprit_job() {
         .unwrap()
     };
     let (victim_pid, culprit_pid) = (pid_of(victim), pid_of(culprit));
-    assert!(c.clients("n1", 0).contains(&victim_pid));
+    // Registered at task start, attached to the server only once the script's client runs: a
+    // fault comes from an attached client.
+    wait_for("both clients attached to gpu0's server", SHORT, || {
+        let attached = c.clients("n1", 0);
+        (attached.contains(&victim_pid) && attached.contains(&culprit_pid)).then_some(())
+    })
+    .unwrap();
     let killed = c.inject_culprit("n1", 0, 31, culprit_pid).unwrap();
     assert!(
         killed.is_empty(),
