@@ -1,19 +1,11 @@
 /* User-space unit test of driver-patch/src/mpsr_contain.c (built and run by driver-patch/build.sh
  * and scripts/test.sh). SPDX-License-Identifier: MIT */
 #include "../src/mpsr_contain.h"
+#include "check.h"
 
 #include <stdio.h>
 #include <string.h>
 
-static int failures;
-
-#define CHECK(cond, what)                                                        \
-	do {                                                                     \
-		if (!(cond)) {                                                   \
-			fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, what); \
-			failures++;                                              \
-		}                                                                \
-	} while (0)
 
 static struct mpsr_contain_query containable(void)
 {
@@ -172,10 +164,5 @@ int main(void)
 	test_defer();
 	test_region();
 	test_bits();
-	if (failures) {
-		fprintf(stderr, "mpsr_contain: %d check(s) failed\n", failures);
-		return 1;
-	}
-	printf("mpsr_contain: all checks passed\n");
-	return 0;
+	return check_verdict("mpsr_contain");
 }

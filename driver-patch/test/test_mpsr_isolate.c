@@ -1,20 +1,12 @@
 /* User-space unit test of driver-patch/src/mpsr_isolate.c (built and run by driver-patch/build.sh
  * and scripts/test.sh). SPDX-License-Identifier: MIT */
 #include "../src/mpsr_isolate.h"
+#include "check.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int failures;
-
-#define CHECK(cond, what)                                                        \
-	do {                                                                     \
-		if (!(cond)) {                                                   \
-			fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, what); \
-			failures++;                                              \
-		}                                                                \
-	} while (0)
 
 static struct mpsr_isolate_fault fault(const char *comm)
 {
@@ -103,10 +95,5 @@ int main(void)
 	test_hostile_comm();
 	test_too_small();
 	test_rate();
-	if (failures) {
-		fprintf(stderr, "%d check(s) failed\n", failures);
-		return 1;
-	}
-	printf("mpsr_isolate: all checks passed\n");
-	return 0;
+	return check_verdict("mpsr_isolate");
 }
