@@ -82,6 +82,7 @@ impl Keeper {
                 err(ErrorCode::Internal, format!("GPU memory: {m}"))
             }
             StoreError::NotFound(_) => err(ErrorCode::NotFound, e.to_string()),
+            StoreError::OtherOwner { .. } => err(ErrorCode::PermissionDenied, e.to_string()),
             StoreError::Quota { .. } | StoreError::SizeMismatch { .. } => {
                 err(ErrorCode::BadRequest, e.to_string())
             }
@@ -173,20 +174,14 @@ impl Keeper {
                 }
             }
             KeeperRequest::Detach { name } => match user_op(self) {
-                Ok((job, _)) if self.store().get(job, &name).is_some() => {
-                    (KeeperResponse::Ok, None)
-                }
-                Ok(_) => (
-                    err(
-                        ErrorCode::NotFound,
-                        format!("no allocation '{name}' for this job"),
-                    ),
-                    None,
-                ),
+                Ok((job, uid)) => match self.store().get_owned(job, &name, uid) {
+                    Ok(_) => (KeeperResponse::Ok, None),
+                    Err(e) => (self.store_error(e), None),
+                },
                 Err(r) => (r, None),
             },
             KeeperRequest::Release { name } => match user_op(self) {
-                Ok((job, _)) => match self.store().release(job, &name) {
+                Ok((job, uid)) => match self.store().release(job, &name, uid) {
                     Ok(()) => {
                         self.snaps.remove(job, &name);
                         (KeeperResponse::Ok, None)
@@ -196,30 +191,26 @@ impl Keeper {
                 Err(r) => (r, None),
             },
             KeeperRequest::Checkpoint { name } => {
-                let (job, _) = match user_op(self) {
+                let (job, uid) = match user_op(self) {
                     Ok(j) => j,
                     Err(r) => return (r, None),
                 };
                 let t = Instant::now();
                 let s = self.store();
                 let names = match name {
-                    Some(n) if s.get(job, &n).is_some() => vec![n],
-                    Some(n) => {
-                        return (
-                            err(
-                                ErrorCode::NotFound,
-                                format!("no allocation '{n}' for this job"),
-                            ),
-                            None,
-                        )
-                    }
+                    Some(n) => match s.get_owned(job, &n, uid) {
+                        Ok(_) => vec![n],
+                        Err(e) => return (self.store_error(e), None),
+                    },
                     None => s.names(job),
                 };
                 let mut files = Vec::new();
                 let mut total = 0;
                 for n in names {
-                    let Some(a) = s.get(job, &n) else { continue };
-                    match self.snaps.save(job, &n, a.mem.as_ref()) {
+                    let Ok(a) = s.get_owned(job, &n, uid) else {
+                        continue;
+                    };
+                    match self.snaps.save(job, &n, uid, a.mem.as_ref()) {
                         Ok((p, b)) => {
                             files.push(p.display().to_string());
                             total += b;
@@ -249,7 +240,7 @@ impl Keeper {
         let s = self.store();
         for k in s.list() {
             if let Some(a) = s.get(k.job_id, &k.name) {
-                if let Err(e) = self.snaps.save(k.job_id, &k.name, a.mem.as_ref()) {
+                if let Err(e) = self.snaps.save(k.job_id, &k.name, a.uid, a.mem.as_ref()) {
                     eprintln!(
                         "mpsr-keeper gpu{}: scheduled snapshot of job {} '{}': {e}",
                         self.gpu, k.job_id, k.name
@@ -276,22 +267,30 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     mpsr_proto::bind_world_socket(path, "keeper")
 }
 
-/// Connections open at once: a local user cannot exhaust the keeper's threads.
-const MAX_CONNECTIONS: usize = 256;
+/// Connections: users share 256, at most 32 each (one user cannot exhaust the keeper's threads
+/// nor lock out another user's jobs); root (the agent) has 32 of its own. An idle connection is
+/// closed after 30 s; a request frame must arrive whole within 2 s of its first byte.
+pub const LIMITS: mpsr_proto::serve::Limits = mpsr_proto::serve::Limits {
+    max_connections: 256,
+    max_per_uid: 32,
+    max_trusted: 32,
+    idle_timeout: Duration::from_secs(30),
+    frame_deadline: Duration::from_secs(2),
+};
 
 pub fn serve(k: Arc<Keeper>, l: UnixListener) {
-    let limits = mpsr_proto::serve::Limits {
-        max_connections: MAX_CONNECTIONS,
-        io_timeout: Duration::from_secs(30),
-    };
-    mpsr_proto::serve::serve_connections(l, "keeper", limits, move |peer, s| {
-        handle_conn(&k, peer, s)
-    });
+    mpsr_proto::serve::serve_connections(
+        l,
+        "keeper",
+        LIMITS,
+        |uid| uid == 0,
+        move |peer, s| handle_conn(&k, peer, s),
+    );
 }
 
 fn handle_conn(k: &Keeper, peer: PeerCred, mut s: UnixStream) {
     loop {
-        let body = match mpsr_proto::frame::read_body(&mut s) {
+        let body = match mpsr_proto::serve::next_frame(&mut s, &LIMITS) {
             Ok(b) => b,
             Err(mpsr_proto::FrameError::TooLarge(n)) => {
                 let _ = mpsr_proto::write_frame(

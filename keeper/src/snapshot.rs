@@ -7,7 +7,9 @@ use crate::memory::{MemError, Memory};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-const MAGIC: &[u8; 8] = b"MPSRSNP1";
+const MAGIC: &[u8; 8] = b"MPSRSNP2";
+/// The first format: bytes 20..24 of the header unused.
+const MAGIC_V1: &[u8; 8] = b"MPSRSNP1";
 const HEADER: usize = 24;
 /// Copy unit between GPU and host.
 const CHUNK: usize = 64 << 20;
@@ -18,6 +20,10 @@ pub enum SnapError {
     Mem(MemError),
     /// Wrong magic, size or checksum: the file is not used.
     Corrupt(String),
+    /// Written for another user's allocation: never restored for this one.
+    OtherOwner {
+        owner: u32,
+    },
 }
 
 impl std::fmt::Display for SnapError {
@@ -26,6 +32,7 @@ impl std::fmt::Display for SnapError {
             SnapError::Io(e) => write!(f, "snapshot i/o: {e}"),
             SnapError::Mem(e) => write!(f, "snapshot copy: {e}"),
             SnapError::Corrupt(m) => write!(f, "snapshot unusable: {m}"),
+            SnapError::OtherOwner { owner } => write!(f, "snapshot belongs to uid {owner}"),
         }
     }
 }
@@ -66,14 +73,16 @@ impl Snapshots {
         let mut f = std::fs::File::open(self.path(job, name)).ok()?;
         let mut h = [0u8; HEADER];
         f.read_exact(&mut h).ok()?;
-        (&h[..8] == MAGIC).then(|| u64::from_le_bytes(h[8..16].try_into().unwrap_or_default()))
+        (&h[..8] == MAGIC || &h[..8] == MAGIC_V1)
+            .then(|| u64::from_le_bytes(h[8..16].try_into().unwrap_or_default()))
     }
 
-    /// Copies an allocation to its snapshot file; returns the file and the bytes written.
+    /// Copies `owner`'s allocation to its snapshot file; returns the file and the bytes written.
     pub fn save(
         &self,
         job: u32,
         name: &str,
+        owner: u32,
         mem: &dyn Memory,
     ) -> Result<(PathBuf, u64), SnapError> {
         let dir = self.job_dir(job);
@@ -97,6 +106,7 @@ impl Snapshots {
         h[..8].copy_from_slice(MAGIC);
         h[8..16].copy_from_slice(&mem.bytes().to_le_bytes());
         h[16..20].copy_from_slice(&crc.finalize().to_le_bytes());
+        h[20..24].copy_from_slice(&owner.to_le_bytes());
         std::os::unix::fs::FileExt::write_all_at(&f, &h, 0)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)?;
@@ -104,14 +114,25 @@ impl Snapshots {
         Ok((path, mem.bytes()))
     }
 
-    /// Restores a snapshot into `mem` (same size). The checksum is verified before any byte is
-    /// written to the GPU.
-    pub fn restore(&self, job: u32, name: &str, mem: &dyn Memory) -> Result<(), SnapError> {
+    /// Restores `uid`'s snapshot into `mem` (same size). The owner and the checksum are verified
+    /// before any byte is written to the GPU.
+    pub fn restore(
+        &self,
+        job: u32,
+        name: &str,
+        uid: u32,
+        mem: &dyn Memory,
+    ) -> Result<(), SnapError> {
         let path = self.path(job, name);
         let mut f = std::fs::File::open(&path)?;
         let mut h = [0u8; HEADER];
         f.read_exact(&mut h)?;
-        if &h[..8] != MAGIC {
+        if &h[..8] == MAGIC {
+            let owner = u32::from_le_bytes(h[20..24].try_into().unwrap_or_default());
+            if owner != uid {
+                return Err(SnapError::OtherOwner { owner });
+            }
+        } else if &h[..8] != MAGIC_V1 {
             return Err(SnapError::Corrupt(format!("{}: bad magic", path.display())));
         }
         let size = u64::from_le_bytes(h[8..16].try_into().unwrap_or_default());
@@ -194,11 +215,11 @@ mod tests {
         let m = dev.create(4 << 20).unwrap();
         let data: Vec<u8> = (0..(4 << 20)).map(|i| (i * 7 % 251) as u8).collect();
         m.write(0, &data).unwrap();
-        let (p, n) = s.save(3, "weights", m.as_ref()).unwrap();
+        let (p, n) = s.save(3, "weights", 1000, m.as_ref()).unwrap();
         assert_eq!(n, 4 << 20);
         assert_eq!(s.size(3, "weights"), Some(4 << 20));
         let m2 = dev.create(4 << 20).unwrap();
-        s.restore(3, "weights", m2.as_ref()).unwrap();
+        s.restore(3, "weights", 1000, m2.as_ref()).unwrap();
         let mut back = vec![0u8; 4 << 20];
         m2.read(0, &mut back).unwrap();
         assert!(back == data);
@@ -207,7 +228,7 @@ mod tests {
         std::os::unix::fs::FileExt::write_all_at(&f, &[0xFF], 1000).unwrap();
         let m3 = dev.create(4 << 20).unwrap();
         assert!(matches!(
-            s.restore(3, "weights", m3.as_ref()),
+            s.restore(3, "weights", 1000, m3.as_ref()),
             Err(SnapError::Corrupt(_))
         ));
         let mut z = vec![1u8; 16];
@@ -215,8 +236,29 @@ mod tests {
         assert_eq!(z, vec![0u8; 16]);
         // Wrong size refused.
         let small = dev.create(2 << 20).unwrap();
-        assert!(s.restore(3, "weights", small.as_ref()).is_err());
+        assert!(s.restore(3, "weights", 1000, small.as_ref()).is_err());
         s.remove_job(3);
         assert_eq!(s.size(3, "weights"), None);
+    }
+
+    #[test]
+    fn a_snapshot_is_restored_for_its_owner_only() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Snapshots::new(d.path());
+        let dev = HostSimDevice;
+        let m = dev.create(2 << 20).unwrap();
+        m.write(0, b"alice's").unwrap();
+        s.save(7, "kv", 1000, m.as_ref()).unwrap();
+        let other = dev.create(2 << 20).unwrap();
+        assert!(matches!(
+            s.restore(7, "kv", 1001, other.as_ref()),
+            Err(SnapError::OtherOwner { owner: 1000 })
+        ));
+        let mut b = [1u8; 7];
+        other.read(0, &mut b).unwrap();
+        assert_eq!(b, [0u8; 7], "nothing copied for another uid");
+        s.restore(7, "kv", 1000, other.as_ref()).unwrap();
+        other.read(0, &mut b).unwrap();
+        assert_eq!(&b, b"alice's");
     }
 }

@@ -28,6 +28,11 @@ pub enum StoreError {
         want: u64,
     },
     NotFound(String),
+    /// The allocation exists, created by another uid: never handed out, freed or copied for this one.
+    OtherOwner {
+        name: String,
+        owner: u32,
+    },
     Mem(MemError),
 }
 
@@ -48,6 +53,10 @@ impl std::fmt::Display for StoreError {
                 "'{name}' exists with {have} bytes; {want} asked (detach and release it to resize)"
             ),
             StoreError::NotFound(n) => write!(f, "no allocation '{n}' for this job"),
+            StoreError::OtherOwner { name, owner } => write!(
+                f,
+                "allocation '{name}' of this job id belongs to uid {owner}, not to the caller"
+            ),
             StoreError::Mem(e) => write!(f, "GPU memory: {e}"),
         }
     }
@@ -93,6 +102,12 @@ impl Store {
         let key = (job, name.to_string());
         let want = dev.round_up(bytes.max(1))?;
         if let Some(a) = self.allocs.get(&key) {
+            if a.uid != uid {
+                return Err(StoreError::OtherOwner {
+                    name: name.into(),
+                    owner: a.uid,
+                });
+            }
             if want > a.mem.bytes() {
                 return Err(StoreError::SizeMismatch {
                     name: name.into(),
@@ -115,7 +130,7 @@ impl Store {
         }
         let mem = dev.create(want)?;
         let origin = match snaps.size(job, name) {
-            Some(n) if n == want => match snaps.restore(job, name, mem.as_ref()) {
+            Some(n) if n == want => match snaps.restore(job, name, uid, mem.as_ref()) {
                 Ok(()) => Origin::Snapshot,
                 Err(e) => {
                     eprintln!("mpsr-keeper: job {job} '{name}': {e}; starting from zeroed memory");
@@ -139,6 +154,18 @@ impl Store {
         self.allocs.get(&(job, name.to_string()))
     }
 
+    /// The job's allocation `name` when `uid` created it.
+    pub fn get_owned(&self, job: u32, name: &str, uid: u32) -> Result<&Alloc, StoreError> {
+        match self.get(job, name) {
+            None => Err(StoreError::NotFound(name.into())),
+            Some(a) if a.uid != uid => Err(StoreError::OtherOwner {
+                name: name.into(),
+                owner: a.uid,
+            }),
+            Some(a) => Ok(a),
+        }
+    }
+
     pub fn names(&self, job: u32) -> Vec<String> {
         self.allocs
             .keys()
@@ -147,7 +174,8 @@ impl Store {
             .collect()
     }
 
-    pub fn release(&mut self, job: u32, name: &str) -> Result<(), StoreError> {
+    pub fn release(&mut self, job: u32, name: &str, uid: u32) -> Result<(), StoreError> {
+        self.get_owned(job, name, uid)?;
         self.allocs
             .remove(&(job, name.to_string()))
             .map(|_| ())
@@ -238,6 +266,17 @@ mod tests {
             Err(StoreError::Quota { .. })
         ));
         s.attach(&dev, &snaps, 2, 1001, "x", 6 << 20).unwrap();
+        // Another uid under the same job id (a squatter) gets none of it: not the memory, not
+        // its release.
+        assert!(matches!(
+            s.attach(&dev, &snaps, 2, 1000, "x", 1),
+            Err(StoreError::OtherOwner { owner: 1001, .. })
+        ));
+        assert!(matches!(
+            s.release(2, "x", 1000),
+            Err(StoreError::OtherOwner { .. })
+        ));
+        assert!(s.get_owned(2, "x", 1001).is_ok());
         // Job 1 ends with a keep time: still there, freed when due; attaching again cancels it.
         assert_eq!(s.job_end(1, Duration::from_secs(60)), 1);
         assert!(s.sweep(Instant::now()).is_empty());
@@ -253,8 +292,8 @@ mod tests {
         // A snapshot taken before the memory was lost comes back on the next attach.
         let (a, _) = s.attach(&dev, &snaps, 3, 1000, "kv", 2 << 20).unwrap();
         a.mem.write(100, b"state").unwrap();
-        snaps.save(3, "kv", a.mem.as_ref()).unwrap();
-        s.release(3, "kv").unwrap();
+        snaps.save(3, "kv", 1000, a.mem.as_ref()).unwrap();
+        s.release(3, "kv", 1000).unwrap();
         let (a, o) = s.attach(&dev, &snaps, 3, 1000, "kv", 2 << 20).unwrap();
         assert_eq!(o, Origin::Snapshot);
         let mut b = [0u8; 5];

@@ -13,10 +13,9 @@ use crate::registry::procfs;
 use crate::slurm::Scontrol;
 use crate::state::{Durable, State};
 use crate::xid::{Classifier, FaultClass};
-use mpsr_proto::{DecisionRecord, DomainId};
+use mpsr_proto::DecisionRecord;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -37,8 +36,8 @@ pub struct Agent {
     pub(crate) probes: Mutex<Option<Sender<DomainProbe>>>,
     /// Serializes starting and stopping domains' daemons.
     pub(crate) domain_ops: Mutex<()>,
-    /// Stop flags of each domain's log tails.
-    pub(crate) log_tails: Mutex<BTreeMap<DomainId, Arc<AtomicBool>>>,
+    /// Each domain's MPS log tails.
+    pub(crate) log_tails: crate::domain::LogTails,
     pub started: Instant,
     pub keepers: Arc<crate::keeper::Keepers>,
     pub telemetry: crate::telemetry::Telemetry,
@@ -93,6 +92,7 @@ impl Agent {
         let telemetry: crate::state::TelemetryLog =
             persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
+        d.tasks_left(&gone, crate::event::now_ms());
         for t in &gone {
             tracing::info!(
                 job = t.job_id,
@@ -143,7 +143,7 @@ impl Agent {
             signals: Mutex::new(None),
             probes: Mutex::new(None),
             domain_ops: Mutex::new(()),
-            log_tails: Mutex::new(BTreeMap::new()),
+            log_tails: crate::domain::LogTails::default(),
             started: Instant::now(),
             keepers,
             telemetry: crate::telemetry::Telemetry::default(),

@@ -13,7 +13,7 @@ use mpsr_proto::{DecisionRecord, DomainId};
 use std::collections::BTreeSet;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 impl Agent {
     pub(crate) fn fault_loop(self: Arc<Self>, rx: Receiver<Signal>) {
@@ -73,13 +73,14 @@ impl Agent {
         let Some(ev) = st.correlator.get(id).cloned() else {
             return;
         };
-        // The registry as it was a moment ago: live tasks plus victims that exited just now.
-        // Copied only when there are such victims: the common case decides on the registry itself.
-        let keep = self.exit_memory();
+        // The registry as it was at the fault: live tasks plus those that exited abnormally
+        // from just before its first signal on (a victim may die before the agent hears of
+        // it). An exit earlier than that is the task's own failure. Copied only when there are
+        // such exits: the common case decides on the registry itself.
         let exited: Vec<&crate::registry::Task> = st
             .recent_exits
             .iter()
-            .filter(|(at, t)| at.elapsed() < keep && t.gpus.contains(&ev.gpu))
+            .filter(|(at, t)| self.exit_may_be_victim(*at, ev.first) && t.gpus.contains(&ev.gpu))
             .map(|(_, t)| t)
             .collect();
         let view = if exited.is_empty() {
@@ -161,6 +162,7 @@ impl Agent {
                             .chain(st.recent_exits.iter().map(|(_, t)| t))
                             .filter(|t| t.job_id == *job_id)
                             .map(|t| t.restart_count)
+                            .chain(st.d.running.get(job_id).map(|r| r.restart_count))
                             .max();
                     enqueue(
                         st,
@@ -358,7 +360,14 @@ impl Agent {
         self.mark_journaled();
     }
 
-    /// How long an abnormally exited task still counts as a possible victim of a fault.
+    /// Whether a task that exited abnormally at `exited` may be a victim of a fault whose first
+    /// signal came at `first`: not if it exited more than `victim_exit_before_ms` before.
+    fn exit_may_be_victim(&self, exited: Instant, first: Instant) -> bool {
+        exited + Duration::from_millis(self.cfg.faults.victim_exit_before_ms) >= first
+    }
+
+    /// How long an abnormally exited task is remembered (re-decisions of a fault come within
+    /// the correlation window).
     pub fn exit_memory(&self) -> Duration {
         Duration::from_millis((2 * self.cfg.faults.correlation_window_ms).max(1000))
     }

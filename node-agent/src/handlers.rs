@@ -54,11 +54,13 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                     .filter(|t| t.job_id == job_id && !procfs::alive(t.pid, t.start_ticks))
                     .map(|t| (t.job_id, t.step_id, t.pid))
                     .collect();
-            for k in &stale {
-                st.d.registry.remove(*k);
-            }
+            let left: Vec<Task> = stale
+                .iter()
+                .filter_map(|k| st.d.registry.remove(*k))
+                .collect();
+            st.d.tasks_left(&left, crate::event::now_ms());
             st.d.resume.remove_job(job_id);
-            st.d.remember_owner(job_id, uid);
+            st.d.start_run(job_id, uid, restart_count);
             if restart_count > 0 {
                 crate::state::push_outcome(
                     &mut st.d.outcomes,
@@ -79,7 +81,9 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             }
             let mut st = agent.state();
             let owner = st.d.owner_of(job_id);
-            st.d.registry.remove_job(job_id);
+            st.d.running.remove(&job_id);
+            let left = st.d.registry.remove_job(job_id);
+            st.d.tasks_left(&left, crate::event::now_ms());
             st.d.resume.remove_job(job_id);
             let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
             if let Some(uid) = owner {
@@ -342,6 +346,7 @@ fn deregister(
         return denied(format!("job {job_id} belongs to another user"));
     }
     st.d.registry.remove((job_id, step_id, pid));
+    st.d.tasks_left([&t], crate::event::now_ms());
     st.journal(crate::journal::Op::Remove {
         job: job_id,
         step: step_id,
@@ -376,6 +381,7 @@ fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
                 domain: DomainId::shared(*g),
                 isolation: Isolation::Shared,
                 quarantined: false,
+                quarantine_waived: false,
             },
         );
         c.state = Some(agent.backend.server_state(DomainId::shared(*g)));
@@ -424,6 +430,27 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
         }
         (false, _) => peer.uid,
     };
+    // A user may add a process only to a job Slurm runs on this node for them: never to another
+    // user's job, nor to a job id that is pending, finished or elsewhere (its kept GPU state
+    // and its requeues are its owner's).
+    if !trusted {
+        let run = agent.state().d.running.get(&r.job_id).copied();
+        if run.is_none_or(|run| run.uid != uid) {
+            tracing::warn!(
+                peer_uid = peer.uid,
+                job = r.job_id,
+                owner = ?run.map(|run| run.uid),
+                "registration into a job Slurm does not run here for this uid refused"
+            );
+            return denied(match run {
+                Some(_) => format!("job {} belongs to another user", r.job_id),
+                None => format!(
+                    "job {} is not running on node {} (as Slurm reported to this agent)",
+                    r.job_id, agent.node
+                ),
+            });
+        }
+    }
     if r.gpus.is_empty() {
         return Response::error(ErrorCode::BadRequest, "no GPUs given");
     }
@@ -499,6 +526,7 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
                         crate::domain::Tenancy::User(_) => Isolation::User,
                     },
                     quarantined: false,
+                    quarantine_waived: false,
                 }
             })
             .collect()
@@ -512,10 +540,17 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     for p in placed.iter().filter(|p| p.quarantined) {
         tracing::warn!(job = r.job_id, uid, domain = %p.domain, "quarantined culprit placed in a domain of its own");
     }
+    let waived: Vec<DomainId> = placed
+        .iter()
+        .filter(|p| p.quarantine_waived)
+        .map(|p| p.domain)
+        .collect();
     let gen = {
         let mut st = agent.state();
         if trusted {
-            st.d.remember_owner(r.job_id, uid);
+            task.restart_count = st.d.note_running(r.job_id, uid, r.restart_count);
+        } else if let Some(run) = st.d.running.get(&r.job_id) {
+            task.restart_count = run.restart_count;
         }
         match st.d.registry.register(task.clone()) {
             Ok(evicted) => {
@@ -527,6 +562,18 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
                     });
                 }
                 st.journal(crate::journal::Op::Register { task });
+                st.d.tasks_left(&evicted, crate::event::now_ms());
+                for d in &waived {
+                    tracing::warn!(job = r.job_id, uid, domain = %d, "quarantined job placed where it asked: no fault domain free on its GPU");
+                    crate::state::push_outcome(
+                        &mut st.d.outcomes,
+                        r.job_id,
+                        format!(
+                            "quarantine not applied on gpu{}: all {} fault domains in use; placed in {} as asked",
+                            d.gpu, agent.cfg.mps.max_domains_per_gpu, d
+                        ),
+                    );
+                }
                 for t in evicted {
                     tracing::warn!(
                         job = t.job_id,

@@ -6,27 +6,37 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-const MAX_CONNECTIONS: usize = 512;
-
 use mpsr_proto::PeerCred;
+
+/// Connection limits: users share 512 connections, at most 64 each; root and the trusted uids
+/// (slurmstepd, prolog, epilog, mpsrctl as root) have 128 of their own that no user can fill.
+/// A request frame must arrive whole within 2 s of its first byte.
+pub const LIMITS: mpsr_proto::serve::Limits = mpsr_proto::serve::Limits {
+    max_connections: 512,
+    max_per_uid: 64,
+    max_trusted: 128,
+    idle_timeout: Duration::from_secs(5),
+    frame_deadline: Duration::from_secs(2),
+};
 
 pub fn bind(path: &std::path::Path) -> std::io::Result<UnixListener> {
     mpsr_proto::bind_world_socket(path, "agent")
 }
 
 pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
-    let limits = mpsr_proto::serve::Limits {
-        max_connections: MAX_CONNECTIONS,
-        io_timeout: Duration::from_secs(5),
-    };
-    mpsr_proto::serve::serve_connections(listener, "agent", limits, move |peer, s| {
-        handle_conn(&agent, peer, s)
-    });
+    let a = agent.clone();
+    mpsr_proto::serve::serve_connections(
+        listener,
+        "agent",
+        LIMITS,
+        move |uid| a.is_trusted(uid),
+        move |peer, s| handle_conn(&agent, peer, s),
+    );
 }
 
 fn handle_conn(agent: &Agent, peer: PeerCred, mut s: UnixStream) {
     loop {
-        let body = match mpsr_proto::frame::read_body(&mut s) {
+        let body = match mpsr_proto::serve::next_frame(&mut s, &LIMITS) {
             Ok(b) => b,
             Err(FrameError::Closed) => return,
             Err(FrameError::TooLarge(n)) => {

@@ -113,6 +113,19 @@ pub struct Durable {
     /// kept GPU state waits for the next run.
     #[serde(default)]
     pub requeued: BTreeMap<u32, u64>,
+    /// Jobs Slurm runs on this node now, as Slurm itself said (the prolog's job start, a
+    /// registration by slurmstepd), until the epilog's job end: the only jobs a user may register
+    /// a process into, and only as the job's owner.
+    #[serde(default)]
+    pub running: BTreeMap<u32, JobRun>,
+}
+
+/// One run of a job on this node, as Slurm reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRun {
+    pub uid: u32,
+    /// Slurm's restart count of this run (0 on the first run, n after n requeues).
+    pub restart_count: u32,
 }
 
 /// What telemetry found, kept in its own file (telemetry.json) so that the state file written on
@@ -127,10 +140,13 @@ pub struct TelemetryLog {
 }
 
 impl Durable {
-    /// The owner of a job: from its live tasks, else from what the prolog or a registration said.
+    /// The owner of a job: what Slurm said of its current run, else its live tasks, else what the
+    /// prolog or a registration said of an earlier run.
     pub fn owner_of(&self, job: u32) -> Option<u32> {
-        self.registry
-            .job_owner(job)
+        self.running
+            .get(&job)
+            .map(|r| r.uid)
+            .or_else(|| self.registry.job_owner(job))
             .or_else(|| self.owners.get(&job).copied())
             .or_else(|| self.finished.get(&job).map(|f| f.0))
     }
@@ -138,6 +154,47 @@ impl Durable {
     pub fn remember_owner(&mut self, job: u32, uid: u32) {
         self.owners.insert(job, uid);
         bound(&mut self.owners);
+    }
+
+    /// Tasks left the registry (deregistered, job ended, process gone): a job or user domain no
+    /// remaining task uses is empty from now on, so placement may take it over at once.
+    pub fn tasks_left<'a>(
+        &mut self,
+        left: impl IntoIterator<Item = &'a crate::registry::Task>,
+        now_ms: u64,
+    ) {
+        let domains: BTreeSet<DomainId> = left
+            .into_iter()
+            .flat_map(|t| t.domains.iter().copied())
+            .collect();
+        for d in domains {
+            if !self.registry.tasks().any(|t| t.in_domain(d)) {
+                self.domains.mark_empty(d, now_ms);
+            }
+        }
+    }
+
+    /// Slurm says this run of the job is on this node (prolog, or slurmstepd's registration).
+    /// Returns the run's restart count: the larger of what either said, since one of them may
+    /// not know it (the SPANK item reads 0 in a requeued batch step on Slurm 22.05).
+    pub fn note_running(&mut self, job: u32, uid: u32, restart_count: u32) -> u32 {
+        let run = self
+            .running
+            .entry(job)
+            .or_insert(JobRun { uid, restart_count });
+        run.uid = uid;
+        run.restart_count = run.restart_count.max(restart_count);
+        let n = run.restart_count;
+        bound(&mut self.running);
+        self.remember_owner(job, uid);
+        n
+    }
+
+    /// A new run of the job starts here (the prolog): what is known of it is this run's.
+    pub fn start_run(&mut self, job: u32, uid: u32, restart_count: u32) {
+        self.running.insert(job, JobRun { uid, restart_count });
+        bound(&mut self.running);
+        self.remember_owner(job, uid);
     }
 
     pub fn note_requeued(&mut self, job: u32, fault_id: u64) {

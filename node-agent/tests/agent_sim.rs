@@ -727,7 +727,22 @@ fn a_user_cannot_lie_about_uid_or_touch_another_users_job() {
         as_nobody(&["sim", "inject", "--gpu", "0", "--xid", "31"]).0,
         Some(1)
     );
-    // Its own registration works, and status shows only its own task.
+    // A job Slurm has not reported running here takes no registration from a user: nobody
+    // cannot claim job 24 for itself before Slurm says it is nobody's.
+    let (code, err) = as_nobody(&["register", "--job", "24", "--pid", &pid, "--gpus", "0"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("not running on node"), "{err}");
+    // Slurm's prolog reports job 24 for nobody: its own registration works, and status shows
+    // only its own task.
+    assert_eq!(
+        e.call(&Request::JobStart {
+            job_id: 24,
+            uid: 65534,
+            restart_count: 0
+        })
+        .unwrap(),
+        Response::Ok
+    );
     assert_eq!(
         as_nobody(&["register", "--job", "24", "--pid", &pid, "--gpus", "0"]).0,
         Some(0)
@@ -795,6 +810,142 @@ fn a_victim_that_deregistered_just_before_the_fault_is_still_hit() {
     let f = &e.events()[0];
     assert_eq!(f.hit_jobs, vec![21], "{f:?}");
     assert!(!e.scontrol_log().contains("requeue 22"));
+}
+
+/// A task that failed on its own (exit status 1, no GPU fault) shortly before another job's
+/// fault is not counted as the fault's victim: only an exit within `victim_exit_before_ms` of the
+/// fault's first signal is (issue 25.5: such a job was requeued, 0.38 s before a fault).
+#[test]
+fn a_job_that_failed_on_its_own_before_a_fault_is_not_its_victim() {
+    let e = Env::new("");
+    let c1 = e.client(0, 30.0, false);
+    let c2 = e.client(0, 30.0, false);
+    e.register(31, c1.id(), &[0], Mode::Requeue, true);
+    e.register(32, c2.id(), &[0], Mode::Requeue, true);
+    let r = e
+        .call(&Request::Deregister {
+            job_id: 31,
+            step_id: mpsr_proto::BATCH_STEP,
+            pid: c1.id(),
+            exit_status: Some(1),
+        })
+        .unwrap();
+    assert_eq!(r, Response::Ok);
+    drop(c1);
+    std::thread::sleep(Duration::from_millis(450));
+    e.inject(0, 43, None, None);
+    e.wait_for("requeue of the job the fault hit", |e| {
+        e.scontrol_log().contains("requeue 32")
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.hit_jobs, vec![32], "{f:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !e.scontrol_log().contains("requeue 31"),
+        "{}",
+        e.scontrol_log()
+    );
+}
+
+/// With `max_domains_per_gpu = 2`, a job asking for a domain of its own right after the only job
+/// domain's last task left takes that domain over: it is empty the moment the task leaves, not
+/// once the once-a-second domain loop notices (issue 25.6).
+#[test]
+fn a_domain_is_free_the_moment_its_last_task_leaves() {
+    use mpsr_proto::Isolation;
+    let e = Env::with("", "max_domains_per_gpu = 2\n", "");
+    let me = std::process::id();
+    let own = |job| {
+        let mut r = reg(job, me, &[0], Mode::Requeue, true);
+        r.isolation = Some(Isolation::Job);
+        e.call(&Request::Register(r)).unwrap()
+    };
+    for (job, next) in [(41, 42), (42, 43), (43, 44)] {
+        let r = own(job);
+        assert!(matches!(r, Response::Registered { .. }), "job {job}: {r:?}");
+        let r = e
+            .call(&Request::Deregister {
+                job_id: job,
+                step_id: mpsr_proto::BATCH_STEP,
+                pid: me,
+                exit_status: Some(0),
+            })
+            .unwrap();
+        assert_eq!(r, Response::Ok);
+        let r = own(next);
+        assert!(
+            matches!(r, Response::Registered { .. }),
+            "job {next} right after job {job} left: {r:?}"
+        );
+        let r = e
+            .call(&Request::Deregister {
+                job_id: next,
+                step_id: mpsr_proto::BATCH_STEP,
+                pid: me,
+                exit_status: Some(0),
+            })
+            .unwrap();
+        assert_eq!(r, Response::Ok);
+    }
+}
+
+/// One user holding many connections, each trickling a byte now and then, locks out neither root
+/// (slurmstepd, the prolog) nor another user (issue 25.3): users are capped per uid, root draws on
+/// slots of its own, and a frame must arrive whole within its deadline.
+#[test]
+fn a_user_holding_connections_locks_out_neither_root_nor_other_users() {
+    if !is_root() {
+        skip("needs root to run two other uids");
+        return;
+    }
+    let e = Env::new("");
+    let script = r#"
+        use IO::Socket::UNIX; $SIG{PIPE} = 'IGNORE'; $| = 1;
+        my @c;
+        for (1..530) { my $s = IO::Socket::UNIX->new(Type => SOCK_STREAM(), Peer => $ARGV[0]); push @c, $s if $s; }
+        print "ready
+";
+        for my $round (1..30) { for my $s (@c) { syswrite($s, "\0"); } sleep 1; }
+    "#;
+    let mut attacker = Proc(
+        Command::new("perl")
+            .args(["-e", script])
+            .arg(e.sock())
+            .uid(65534)
+            .gid(65534)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(attacker.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "ready");
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(800));
+        let t = Instant::now();
+        assert!(
+            matches!(e.call(&Request::Status), Ok(Response::Status(_))),
+            "root is served"
+        );
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        let out = Command::new(env!("CARGO_BIN_EXE_mpsrctl"))
+            .arg("--socket")
+            .arg(e.sock())
+            .arg("status")
+            .uid(65533)
+            .gid(65533)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "another user is served: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 /// On a machine without a GPU driver the self-check says what is missing and fails cleanly; on a

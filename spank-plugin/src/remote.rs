@@ -186,13 +186,28 @@ pub fn user_init(sp: Spank) {
         // Slurm sets ENVIRONMENT=BATCH in a batch script; srun passes it on to the steps it runs.
         batch_job: step_id == BATCH_STEP
             || sp.getenv("ENVIRONMENT").ok().flatten().as_deref() == Some("BATCH"),
-        restart_count: sp.restart_count().unwrap_or(0),
+        restart_count: restart_count(sp),
         gpus,
         contexts,
         threads: opts.threads,
         mem: opts.mem,
         isolation: opts.isolation.or(cfg_isolation),
     });
+}
+
+/// Slurm's restart count of this run of the job. The SPANK item reads 0 in the batch step of a
+/// requeued job on Slurm 22.05, while the job's environment carries the true count
+/// (`SLURM_RESTART_COUNT`): the larger of the two. A wrong 0 would make the agent take a second
+/// run for the first, whose requeue is done, and leave it unrequeued when hit.
+fn restart_count(sp: Spank) -> u32 {
+    let item = sp.restart_count().unwrap_or(0);
+    let env = sp
+        .getenv("SLURM_RESTART_COUNT")
+        .ok()
+        .flatten()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    item.max(env)
 }
 
 pub fn task_init_privileged(sp: Spank) {

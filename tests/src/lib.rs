@@ -48,6 +48,8 @@ pub struct Options {
     pub cred_expire_s: u32,
     /// Appended to every node's agent.toml (further tables, e.g. `[telemetry]`).
     pub agent_extra: String,
+    /// Further keys of every node's `[mps]` table (e.g. `max_domains_per_gpu = 2`).
+    pub agent_mps: String,
 }
 
 impl Default for Options {
@@ -60,6 +62,7 @@ impl Default for Options {
             health_interval_s: 0,
             cred_expire_s: 5,
             agent_extra: String::new(),
+            agent_mps: String::new(),
         }
     }
 }
@@ -515,6 +518,7 @@ slurm_conf = \"{t}/etc/slurm.conf\"
 timeout_ms = 5000
 [mps]
 fault_grace_ms = 1000
+{}
 [faults]
 kmsg = false
 [keeper]
@@ -522,7 +526,7 @@ snapshot_dir = \"{t}/{node}/snapshots\"
 [sim]
 gpus = {}
 {}",
-            self.opts.gpus_per_node, self.opts.agent_extra
+            self.opts.agent_mps, self.opts.gpus_per_node, self.opts.agent_extra
         );
         write_file(&self.dir.join(node).join("agent.toml"), &cfg, 0o644)
     }

@@ -488,13 +488,30 @@ fn domain_of(c: &Cluster, job: u32) -> (mpsr_proto::DomainId, Vec<u32>) {
         .find(|t| t.job_id == job)
         .and_then(|t| t.domains.first().copied())
         .unwrap_or_else(|| panic!("job {job} not registered: {s:?}"));
-    let clients = s.gpus[0]
-        .domains
+    let clients = s
+        .gpus
         .iter()
+        .filter(|g| g.gpu == d.gpu)
+        .flat_map(|g| g.domains.iter())
         .find(|x| x.domain == d)
         .map(|x| x.clients.clone())
         .unwrap_or_default();
     (d, clients)
+}
+
+/// The domain of a running job's task on n1 once its client is attached to that domain's server.
+fn attached_domain(c: &Cluster, job: u32) -> mpsr_proto::DomainId {
+    wait_for(&format!("job {job}'s client attached"), SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        let t = s.tasks.iter().find(|t| t.job_id == job)?;
+        let d = *t.domains.first()?;
+        let g = s.gpus.iter().find(|g| g.gpu == d.gpu)?;
+        g.domains
+            .iter()
+            .any(|x| x.domain == d && x.clients.contains(&t.pid))
+            .then_some(d)
+    })
+    .unwrap()
 }
 
 /// Case 7 (fault domains): A and B each in a domain of their own (`--mps-isolation=job`), C and D
@@ -827,4 +844,173 @@ fn a_contained_fault_fails_only_the_culprit_job() {
     assert_eq!(f.hit_jobs, vec![culprit], "{f}");
     assert!(f.spared_jobs.contains(&victim), "{f}");
     assert!(not_drained(&c, "n1"));
+}
+
+/// A job hit in each of its runs is requeued each time (issue 25.1): its second run is a run of
+/// its own (Slurm's restart count 1), not the first one whose requeue is done. A job in a domain of
+/// its own is hit in its first and second run; it completes on its third with Restarts=2.
+#[test]
+fn a_job_hit_in_each_of_its_runs_is_requeued_each_time() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient --mps-isolation=job",
+            "echo \"run ${SLURM_RESTART_COUNT:-0}\"\n\
+             if [ \"${SLURM_RESTART_COUNT:-0}\" -ge 2 ]; then s=1; else s=120; fi\n\
+             exec mpsr-simclient --seconds $s",
+        )
+        .unwrap();
+    for run in 0..2u32 {
+        c.wait_job_state(id, &["RUNNING"], LONG).unwrap();
+        let d = attached_domain(&c, id);
+        assert!(!d.is_shared(), "a domain of its own: {d}");
+        let killed = c.inject_in("n1", d.gpu, 31, Some(d.slot)).unwrap();
+        assert_eq!(killed.len(), 1, "run {run}: {killed:?}");
+        wait_for(&format!("run {run} requeued"), LONG, || {
+            (c.job_field(id, "Restarts") == (run + 1).to_string()).then_some(())
+        })
+        .unwrap();
+    }
+    c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    assert_eq!(c.job_field(id, "Restarts"), "2");
+    assert!(c.job_output(id).contains("run 2"), "{}", c.job_output(id));
+    assert!(not_drained(&c, "n1"));
+}
+
+/// A local user cannot register a process into another user's job, protected or not, running
+/// or requeued (issue 25.2): such a registration once made a fault requeue an unprotected job
+/// of someone else and let the squatter take a requeued job's kept GPU state.
+#[test]
+fn a_user_cannot_squat_another_users_job_nor_its_kept_state() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    // Alice (nobody): an unprotected job P and a protected job K that keeps GPU state; both on
+    // gpu0's shared domain.
+    let p = c
+        .sbatch("nobody", "-w n1 --gres=shard:1", "exec sleep 300")
+        .unwrap();
+    let keeps = "if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then mpsr-statetool ckpt 4M --verify 3 || exit 1; \
+                 else mpsr-statetool ckpt 4M --fill 3 || exit 1; fi\n";
+    let k = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &format!("{keeps}{}", client_script(120, 1)),
+        )
+        .unwrap();
+    c.wait_job_state(p, &["RUNNING"], SHORT).unwrap();
+    c.wait_job_state(k, &["RUNNING"], SHORT).unwrap();
+    assert!(attached_domain(&c, k).is_shared());
+    // Bob (daemon) registers a process of his own under each job id.
+    let sock = c.agent_socket("n1");
+    let squat = |job: u32| {
+        let out = c
+            .cmd_as(
+                "daemon",
+                &format!(
+                    "sleep 30 & s=$!; mpsrctl --socket {} register --job {job} --pid $s --gpus 0 --batch; rc=$?; kill $s; exit $rc",
+                    sock.display()
+                ),
+            )
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    for job in [p, k] {
+        let (code, err) = squat(job);
+        assert_eq!(code, Some(1), "bob registered into job {job}: {err}");
+        assert!(err.contains("PermissionDenied"), "{err}");
+    }
+    assert!(
+        c.agent_status("n1")
+            .unwrap()
+            .tasks
+            .iter()
+            .all(|t| t.job_id == k),
+        "only K's own task is registered"
+    );
+    // A fault in the shared domain requeues K, and not P, which never asked for protection.
+    let killed = c.inject_in("n1", 0, 31, Some(0)).unwrap();
+    assert_eq!(killed.len(), 1, "{killed:?}");
+    wait_for("K requeued", LONG, || {
+        (c.job_field(k, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    // While K waits for its next run, bob cannot take its place (its kept state waits in the
+    // keeper), nor read its fault report.
+    let (code, err) = squat(k);
+    assert_eq!(code, Some(1), "bob registered into requeued job {k}: {err}");
+    let out = c
+        .cmd_as(
+            "daemon",
+            &format!("mpsrctl --socket {} report {k}", sock.display()),
+        )
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "bob read K's report");
+    c.wait_job_state(k, &["COMPLETED"], LONG).unwrap();
+    let out = c.job_output(k);
+    assert!(
+        out.contains("origin=Kept") && out.contains("verified ckpt: every byte is 3"),
+        "K's kept state, untouched: {out}"
+    );
+    assert_eq!(c.job_field(p, "Restarts"), "0", "P was never requeued");
+    assert_eq!(c.job_field(p, "JobState"), "RUNNING");
+}
+
+/// A quarantined job whose GPU has no fault domain free runs where it asked instead of failing
+/// (issue 25.4): a job alone in the shared domain is hit (so it is the culprit) while the only
+/// other domain is in use; its requeued run is placed in the shared domain, completes, and its
+/// report says why the quarantine was not applied.
+#[test]
+fn a_quarantined_job_with_no_domain_free_runs_shared_instead_of_failing() {
+    let Some((_g, c)) = cluster(Options {
+        gpus_per_node: 1,
+        agent_mps: "max_domains_per_gpu = 2".into(),
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let a = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient --mps-isolation=job",
+            &client_script(300, 1),
+        )
+        .unwrap();
+    let q = protected_batch_job(&c, 120);
+    c.wait_job_state(a, &["RUNNING"], SHORT).unwrap();
+    assert!(!attached_domain(&c, a).is_shared());
+    assert!(attached_domain(&c, q).is_shared());
+    let killed = c.inject_in("n1", 0, 31, Some(0)).unwrap();
+    assert_eq!(killed.len(), 1, "{killed:?}");
+    wait_for("Q requeued", LONG, || {
+        (c.job_field(q, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    c.wait_job_state(q, &["COMPLETED"], LONG).unwrap();
+    assert_eq!(c.job_field(q, "ExitCode"), "0:0", "{}", c.job_output(q));
+    let rep = match c
+        .agent_call("n1", &Request::JobReport { job_id: q })
+        .unwrap()
+    {
+        Response::JobReport(r) => r,
+        r => panic!("{r:?}"),
+    };
+    assert!(
+        rep.actions.iter().any(|l| l.contains("quarantined"))
+            && rep
+                .actions
+                .iter()
+                .any(|l| l.contains("quarantine not applied")),
+        "{:?}",
+        rep.actions
+    );
+    assert_eq!(c.job_field(a, "JobState"), "RUNNING", "A untouched");
+    assert_eq!(c.job_field(a, "Restarts"), "0");
 }

@@ -8,7 +8,6 @@ use crate::backend::BackendError;
 use crate::event::{GpuRef, Signal, Source};
 use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +41,26 @@ pub struct Placement {
     pub domain: DomainId,
     pub isolation: Isolation,
     pub quarantined: bool,
+    /// Quarantined, but no domain was free: placed where it asked (see `Placed`).
+    pub quarantine_waived: bool,
+}
+
+/// Queries of a daemon that must all fail before it is taken for dead.
+const DOWN_CONFIRMATIONS: u32 = 3;
+
+/// Whether a daemon is really down: one failed query is not enough (a slow answer under load, a
+/// control daemon busy with another command); it must answer none of `tries` queries `pause`
+/// apart. Starting a live daemon "again" would replace what watches it for nothing.
+fn confirmed_down(mut state: impl FnMut() -> ServerState, tries: u32, pause: Duration) -> bool {
+    for i in 0..tries {
+        if i > 0 {
+            std::thread::sleep(pause);
+        }
+        if state() != ServerState::Down {
+            return false;
+        }
+    }
+    true
 }
 
 impl Agent {
@@ -88,28 +107,15 @@ impl Agent {
         self.backend.start_domain(spec)?;
         tracing::debug!(domain = %spec.id, ms = t0.elapsed().as_millis() as u64, "fault domain daemon up");
         if self.cfg.faults.mps_logs {
-            let stop = Arc::new(AtomicBool::new(false));
-            if let Some(old) = lock(&self.log_tails).insert(spec.id, stop.clone()) {
-                old.store(true, Ordering::SeqCst);
-            }
             if let Some(tx) = self.signal_sender() {
-                for name in ["server.log", "control.log"] {
-                    crate::intake::spawn_log_tail(
-                        spec.id,
-                        spec.log_dir.join(name),
-                        tx.clone(),
-                        stop.clone(),
-                    );
-                }
+                self.log_tails.ensure(spec.id, &spec.log_dir, &tx);
             }
         }
         Ok(())
     }
 
     fn stop_domain(&self, id: DomainId) {
-        if let Some(stop) = lock(&self.log_tails).remove(&id) {
-            stop.store(true, Ordering::SeqCst);
-        }
+        self.log_tails.stop(id);
         match self.backend.stop_domain(id) {
             Ok(()) => tracing::info!(domain = %id, "empty fault domain stopped"),
             Err(e) => tracing::warn!(domain = %id, error = %e, "stopping fault domain failed"),
@@ -145,6 +151,7 @@ impl Agent {
                     domain: p.id,
                     isolation: p.isolation,
                     quarantined: p.quarantined,
+                    quarantine_waived: p.quarantine_waived,
                 });
             }
         }
@@ -185,7 +192,8 @@ impl Agent {
                 .collect()
         };
         for (d, rec) in domains {
-            if self.backend.server_state(d) != ServerState::Down {
+            let state = || self.backend.server_state(d);
+            if !confirmed_down(state, DOWN_CONFIRMATIONS, Duration::from_millis(250)) {
                 down.remove(&d);
                 continue;
             }
@@ -339,5 +347,24 @@ impl Agent {
                 memory_bytes: self.backend.domain_memory(d),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_failed_query_does_not_make_a_daemon_dead() {
+        let answers = std::cell::RefCell::new(vec![ServerState::Down, ServerState::Active]);
+        let next = || answers.borrow_mut().remove(0);
+        assert!(!confirmed_down(next, 3, Duration::ZERO));
+        let mut n = 0;
+        let always_down = || {
+            n += 1;
+            ServerState::Down
+        };
+        assert!(confirmed_down(always_down, 3, Duration::ZERO));
+        assert_eq!(n, 3, "asked three times before giving up on it");
     }
 }

@@ -12,10 +12,12 @@
 //! each server takes ~66 MiB of GPU memory (README, BENCHMARKS.md).
 //!
 //! `table` decides placement (pure data, durable); `lifecycle` starts, adopts, watches and stops
-//! the domains' daemons for the agent.
+//! the domains' daemons for the agent; `tails` follows each domain's MPS logs.
 
 mod lifecycle;
 mod table;
+mod tails;
 
 pub use lifecycle::{DomainProbe, Placement, PlacementError};
 pub use table::*;
+pub use tails::LogTails;

@@ -106,6 +106,9 @@ pub struct Placed {
     pub isolation: Isolation,
     /// Placed apart because the job or its user was the culprit of an earlier fault.
     pub quarantined: bool,
+    /// The job is quarantined, but every domain of the GPU is in use: it runs where it asked
+    /// to (a requeued job must not fail for want of a domain) and its report says so.
+    pub quarantine_waived: bool,
     /// A new (or re-assigned) domain whose daemon must be started with this before use.
     pub start: Option<DomainRecord>,
 }
@@ -137,7 +140,7 @@ impl DomainTable {
     }
 
     /// Chooses the domain for a job's task on `gpu`. Tasks of one job on one GPU share a domain;
-    /// a quarantined job or user gets one of its own whatever was asked.
+    /// a quarantined job or user gets one of its own whatever was asked, while one is free.
     #[allow(clippy::too_many_arguments)]
     pub fn place(
         &mut self,
@@ -172,12 +175,12 @@ impl DomainTable {
             .quarantine
             .iter()
             .any(|(q, _)| *q == Quarantined::Job(job) || *q == Quarantined::User(uid));
-        let tenancy = match (quarantined, isolation) {
+        let tenancy = |quarantined| match (quarantined, isolation) {
             (true, _) | (false, Isolation::Job) => Tenancy::Job(job),
             (false, Isolation::User) => Tenancy::User(uid),
             (false, Isolation::Shared) => Tenancy::Shared,
         };
-        let placed = |id, start| Placed {
+        let placed = |(id, start), quarantined, quarantine_waived| Placed {
             id,
             isolation: if quarantined {
                 Isolation::Job
@@ -185,10 +188,33 @@ impl DomainTable {
                 isolation
             },
             quarantined,
+            quarantine_waived,
             start,
         };
+        match self.place_as(policy, gpu, tenancy(quarantined), uid, limits) {
+            Ok(p) => Ok(placed(p, quarantined, false)),
+            // Quarantine is imposed, not asked for: with no domain free the job runs where it
+            // asked rather than fail its requeued run (a domain it asked for itself is refused).
+            Err(PlaceError::Full { .. }) if quarantined && isolation != Isolation::Job => {
+                let p = self.place_as(policy, gpu, tenancy(false), uid, limits)?;
+                Ok(placed(p, false, true))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The domain of `tenancy` on `gpu`: its existing one, a new one, or one that is empty
+    /// taken over; with the domain record to start when the daemon must be (re)started.
+    fn place_as(
+        &mut self,
+        policy: &Policy,
+        gpu: u32,
+        tenancy: Tenancy,
+        uid: u32,
+        limits: (Option<u8>, Option<u64>),
+    ) -> Result<(DomainId, Option<DomainRecord>), PlaceError> {
         if tenancy == Tenancy::Shared {
-            return Ok(placed(DomainId::shared(gpu), None));
+            return Ok((DomainId::shared(gpu), None));
         }
         if let Some(r) = self
             .domains
@@ -196,7 +222,7 @@ impl DomainTable {
             .find(|r| r.id.gpu == gpu && r.tenancy == tenancy)
         {
             r.empty_since_ms = None;
-            return Ok(placed(r.id, None));
+            return Ok((r.id, None));
         }
         let record = |id| DomainRecord {
             id,
@@ -215,7 +241,7 @@ impl DomainTable {
         if let Some(slot) = (1..policy.max_per_gpu).find(|s| !used.contains(s)) {
             let r = record(DomainId { gpu, slot });
             self.domains.push(r.clone());
-            return Ok(placed(r.id, Some(r)));
+            return Ok((r.id, Some(r)));
         }
         // Full: take over the domain that has been empty longest (its daemon keeps running).
         let reuse = self
@@ -226,12 +252,20 @@ impl DomainTable {
         match reuse {
             Some(r) => {
                 *r = record(r.id);
-                Ok(placed(r.id, Some(r.clone())))
+                Ok((r.id, Some(r.clone())))
             }
             None => Err(PlaceError::Full {
                 gpu,
                 max: policy.max_per_gpu,
             }),
+        }
+    }
+
+    /// The last registered task of domain `id` left: it is empty from now on, so placement may
+    /// take it over at once (the linger loop only stops its daemon later).
+    pub fn mark_empty(&mut self, id: DomainId, now_ms: u64) {
+        if let Some(r) = self.domains.iter_mut().find(|r| r.id == id) {
+            r.empty_since_ms.get_or_insert(now_ms);
         }
     }
 
@@ -365,13 +399,45 @@ mod tests {
             .unwrap_err();
         assert_eq!(e, PlaceError::Full { gpu: 0, max: 2 });
         assert!(e.to_string().contains("mps.max_domains_per_gpu"));
-        // Job 1 ended: its domain is empty, so job 2 takes it over.
-        assert!(t.expired(|_| false, 10, 1_000).is_empty());
+        // Job 1's last task left: its domain is empty at once, so job 2 takes it over (without
+        // waiting for the linger loop to notice).
+        t.mark_empty(a.id, 10);
         let b = t
             .place(&p, 0, 2, 100, Some(Isolation::Job), none, 20)
             .unwrap();
         assert_eq!(b.id, a.id);
         assert_eq!(b.start.unwrap().tenancy, Tenancy::Job(2));
+    }
+
+    #[test]
+    fn a_quarantined_job_with_no_domain_free_runs_where_it_asked() {
+        let p = policy(2);
+        let mut t = DomainTable::default();
+        let none = (None, None);
+        let busy = t
+            .place(&p, 0, 1, 100, Some(Isolation::Job), none, 0)
+            .unwrap();
+        assert!(t.quarantine(&p, 7, 200, 0).is_some());
+        // Job 7 (quarantined) comes back asking for the shared domain: none free, so shared.
+        let q = t.place(&p, 0, 7, 200, None, none, 10).unwrap();
+        assert!(
+            q.id.is_shared() && !q.quarantined && q.quarantine_waived,
+            "{q:?}"
+        );
+        assert_eq!(q.isolation, Isolation::Shared);
+        // Once a domain is free, the quarantine holds again.
+        t.mark_empty(busy.id, 20);
+        let q = t.place(&p, 0, 7, 200, None, none, 30).unwrap();
+        assert!(
+            q.quarantined && !q.quarantine_waived && q.id == busy.id,
+            "{q:?}"
+        );
+        // A job that asks for a domain of its own with none free is refused, quarantined or not.
+        assert!(t.quarantine(&p, 8, 200, 40).is_some());
+        assert_eq!(
+            t.place(&p, 0, 8, 200, Some(Isolation::Job), none, 50),
+            Err(PlaceError::Full { gpu: 0, max: 2 })
+        );
     }
 
     #[test]
