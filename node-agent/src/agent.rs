@@ -6,13 +6,13 @@
 use crate::backend::GpuBackend;
 use crate::config::Config;
 use crate::domain::{DomainProbe, Policy};
-use crate::event::{Correlator, Signal};
+use crate::fault::classify::{Classifier, FaultClass};
+use crate::fault::correlate::{Correlator, Signal};
 use crate::persist;
 use crate::persister::Persister;
 use crate::registry::procfs;
 use crate::slurm::Scontrol;
 use crate::state::{Durable, State};
-use crate::xid::{Classifier, FaultClass};
 use mpsr_proto::DecisionRecord;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
@@ -92,7 +92,7 @@ impl Agent {
         let telemetry: crate::state::TelemetryLog =
             persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
-        d.tasks_left(&gone, crate::event::now_ms());
+        d.tasks_left(&gone, crate::fault::correlate::now_ms());
         for t in &gone {
             tracing::info!(
                 job = t.job_id,

@@ -1,7 +1,7 @@
 //! Agent configuration (`/etc/mps-resilient/agent.toml`). Every key is documented with its default in
 //! `etc/agent.toml`; unknown keys and bad values are rejected at start with the key named.
 
-use crate::xid::{BlastRadius, ClassPolicy, FaultClass, JobAction};
+use crate::fault::classify::{BlastRadius, ClassPolicy, FaultClass, JobAction};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -196,6 +196,14 @@ pub struct FaultConfig {
     pub xid_classes: BTreeMap<String, String>,
     /// class name -> policy, e.g. [faults.policy.app_sm] radius="gpu" action="recover" drain=false isolatable=false
     pub policy: BTreeMap<String, ClassPolicy>,
+}
+
+impl FaultConfig {
+    /// How long an abnormally exited task is remembered as a possible victim (re-decisions of a
+    /// fault come within the correlation window).
+    pub fn exit_memory(&self) -> std::time::Duration {
+        std::time::Duration::from_millis((2 * self.correlation_window_ms).max(1000))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -58,7 +58,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 .iter()
                 .filter_map(|k| st.d.registry.remove(*k))
                 .collect();
-            st.d.tasks_left(&left, crate::event::now_ms());
+            st.d.tasks_left(&left, crate::fault::correlate::now_ms());
             st.d.resume.remove_job(job_id);
             st.d.start_run(job_id, uid, restart_count);
             if restart_count > 0 {
@@ -83,7 +83,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let owner = st.d.owner_of(job_id);
             st.d.running.remove(&job_id);
             let left = st.d.registry.remove_job(job_id);
-            st.d.tasks_left(&left, crate::event::now_ms());
+            st.d.tasks_left(&left, crate::fault::correlate::now_ms());
             st.d.resume.remove_job(job_id);
             let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
             if let Some(uid) = owner {
@@ -346,18 +346,18 @@ fn deregister(
         return denied(format!("job {job_id} belongs to another user"));
     }
     st.d.registry.remove((job_id, step_id, pid));
-    st.d.tasks_left([&t], crate::event::now_ms());
+    st.d.tasks_left([&t], crate::fault::correlate::now_ms());
     st.journal(crate::journal::Op::Remove {
         job: job_id,
         step: step_id,
         pid,
     });
     if exit_status.is_some_and(|s| s != 0) {
-        let keep = agent.exit_memory();
+        let keep = agent.cfg.faults.exit_memory();
         st.note_exit(t.clone(), keep);
     }
     drop(st);
-    tracing::info!(job = job_id, step = %crate::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
+    tracing::info!(job = job_id, step = %crate::fault::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
     agent.client_exit_signal(&t.gpus, exit_status);
     // Not waited for: a deregistration lost in a crash is redone by the restart's
     // reconciliation (the pid is gone by then).
@@ -478,7 +478,7 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     }
     tracing::info!(
         job = r.job_id,
-        step = %crate::decide::step_name(r.step_id),
+        step = %crate::fault::decide::step_name(r.step_id),
         pid = r.pid,
         uid,
         gpus = ?r.gpus,
@@ -562,7 +562,7 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
                     });
                 }
                 st.journal(crate::journal::Op::Register { task });
-                st.d.tasks_left(&evicted, crate::event::now_ms());
+                st.d.tasks_left(&evicted, crate::fault::correlate::now_ms());
                 for d in &waived {
                     tracing::warn!(job = r.job_id, uid, domain = %d, "quarantined job placed where it asked: no fault domain free on its GPU");
                     crate::state::push_outcome(

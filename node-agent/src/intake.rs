@@ -1,7 +1,7 @@
 //! Fault intake threads for real nodes: `/dev/kmsg` (NVRM Xid lines, resuming after the last sequence
 //! number seen in this boot) and tailing each fault domain's MPS logs. Each turns lines into [`Signal`]s.
 
-use crate::event::{GpuRef, Signal, Source};
+use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::kmsg;
 use crate::mps::{parse_control_log, ControlLogEvent};
 use mpsr_proto::DomainId;

@@ -1,15 +1,14 @@
-//! mps-resilient node agent. Data path: intake (`backend`, `intake`, `kmsg`) -> `event` correlation ->
-//! `xid` classification -> `decide` (which fault `domain` showed it) -> `faults` records the actions
-//! (`slurm_exec` requeue/drain, resume board, `recovery` watches servers back). `server` + `handlers`
-//! serve the plugin and `mpsrctl`; `registry`, `state`, `persister`, `journal` keep jobs and domains.
+//! mps-resilient node agent. Data path: intake (`backend`, `intake`, `kmsg`) -> `fault` (correlate,
+//! classify, decide which fault `domain` showed it, record the actions: a pure core fed by one
+//! worker) -> actions (`slurm_exec` requeue/drain, resume board, `recovery` watches servers back).
+//! `server` + `handlers` serve the plugin and `mpsrctl`; `registry`, `state`, `persister`,
+//! `journal` keep jobs and domains.
 
 pub mod agent;
 pub mod backend;
 pub mod config;
-pub mod decide;
 pub mod domain;
-pub mod event;
-pub mod faults;
+pub mod fault;
 pub mod file_watch;
 pub mod handlers;
 pub mod http;
@@ -30,4 +29,3 @@ pub mod slurm_exec;
 pub mod spawn;
 pub mod state;
 pub mod telemetry;
-pub mod xid;

@@ -67,7 +67,7 @@ impl Persister {
             Err(e) => {
                 let since_ms = f
                     .as_ref()
-                    .map_or_else(crate::event::now_ms, |was| was.since_ms);
+                    .map_or_else(crate::fault::correlate::now_ms, |was| was.since_ms);
                 *f = Some(mpsr_proto::PersistFailure {
                     since_ms,
                     errno: e.errno(),

@@ -10,9 +10,9 @@
 //! killed.
 
 use crate::agent::Agent;
+use crate::fault::classify::FaultClass;
 use crate::registry::procfs;
 use crate::state::State;
-use crate::xid::FaultClass;
 use mpsr_proto::{DomainId, ResumeVerdict, ServerState};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 impl Agent {
     /// Executes pending Slurm actions outside the state lock; retries with backoff.
     pub(crate) fn slurm_loop(self: Arc<Self>) {
-        let mut not_before: BTreeMap<String, Instant> = BTreeMap::new();
+        let mut not_before: BTreeMap<crate::slurm::ActionKey, Instant> = BTreeMap::new();
         loop {
             let next = {
                 let mut st = self.state();

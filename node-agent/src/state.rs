@@ -1,10 +1,10 @@
 //! What the agent keeps: the durable part (survives restarts) and the in-memory part of its state.
 
 use crate::domain::DomainTable;
-use crate::event::Correlator;
+use crate::fault::classify::FaultClass;
+use crate::fault::correlate::Correlator;
 use crate::registry::Registry;
 use crate::slurm::PendingAction;
-use crate::xid::FaultClass;
 use mpsr_proto::{DecisionRecord, DomainId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -92,7 +92,7 @@ pub struct Durable {
     pub domains: DomainTable,
     pub next_fault_id: u64,
     pub pending: Vec<PendingAction>,
-    pub done_keys: VecDeque<String>,
+    pub done_keys: VecDeque<crate::slurm::ActionKey>,
     /// job -> outcome lines (requeue done, resume handed over, ...).
     pub outcomes: BTreeMap<u32, Vec<String>>,
     /// Hit task -> what its resume supervisor is told.
@@ -265,6 +265,31 @@ pub struct State {
 }
 
 impl State {
+    /// Every domain of a GPU whose daemon the agent runs (the shared one first).
+    pub fn domains_of_gpu(&self, gpu: u32) -> Vec<DomainId> {
+        std::iter::once(DomainId::shared(gpu))
+            .chain(
+                self.d
+                    .domains
+                    .records()
+                    .map(|r| r.id)
+                    .filter(|d| d.gpu == gpu),
+            )
+            .collect()
+    }
+
+    /// Adds an outcome line to a fault's decision record (if it is still in the history).
+    pub fn add_outcome(&mut self, fault_id: u64, line: String) {
+        if let Some(r) = self
+            .history
+            .iter_mut()
+            .rev()
+            .find(|r| r.fault_id == fault_id)
+        {
+            r.outcome.push(line);
+        }
+    }
+
     /// Records a registry change for the journal (the change itself is already applied).
     pub fn journal(&mut self, op: crate::journal::Op) {
         let seq = self.next_seq;

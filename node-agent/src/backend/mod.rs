@@ -6,7 +6,7 @@ pub mod nvml;
 pub mod sim;
 
 use crate::domain::DomainSpec;
-use crate::event::Signal;
+use crate::fault::correlate::Signal;
 use crate::kmsg::PciAddr;
 use mpsr_proto::{DomainId, ServerState};
 use std::sync::mpsc::Sender;

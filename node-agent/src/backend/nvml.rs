@@ -4,7 +4,7 @@
 use super::{BackendError, GpuBackend, GpuInfo};
 use crate::config::Config;
 use crate::domain::DomainSpec;
-use crate::event::{GpuRef, Signal, Source};
+use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::kmsg::PciAddr;
 use crate::mps::MpsDaemon;
 use mpsr_proto::{DomainId, ServerState};

@@ -6,7 +6,7 @@
 
 use super::{BackendError, GpuBackend, GpuInfo};
 use crate::domain::DomainSpec;
-use crate::event::{GpuRef, Signal, Source};
+use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::kmsg::{self, PciAddr};
 use mpsr_proto::{DomainId, ServerState};
 use mpsr_simgpu::{DriverPatch, SimEvent, SimReply, SimRequest};

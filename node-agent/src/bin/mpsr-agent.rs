@@ -4,7 +4,7 @@ use clap::Parser;
 use mpsr_agent::agent::Agent;
 use mpsr_agent::backend::{nvml::NvmlBackend, sim::SimBackend, GpuBackend};
 use mpsr_agent::config::{Backend, Config, DEFAULT_PATH};
-use mpsr_agent::xid::Classifier;
+use mpsr_agent::fault::classify::Classifier;
 use std::path::PathBuf;
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 use super::{paths, DomainRecord, DomainSpec, PlaceError};
 use crate::agent::{lock, Agent};
 use crate::backend::BackendError;
-use crate::event::{GpuRef, Signal, Source};
+use crate::fault::correlate::{GpuRef, Signal, Source};
 use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
 use std::collections::BTreeSet;
 use std::sync::mpsc::Receiver;
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// Ask these domains' servers whether they are in FAULT, until `until` (after an application
 /// fault that no domain has shown yet).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DomainProbe {
     pub fault_id: u64,
     pub gpu: u32,
@@ -139,7 +139,7 @@ impl Agent {
         let _serial = lock(&self.domain_ops);
         {
             let mut st = self.state();
-            let now = crate::event::now_ms();
+            let now = crate::fault::correlate::now_ms();
             for &gpu in gpus {
                 let p =
                     st.d.domains
@@ -185,7 +185,7 @@ impl Agent {
                 .gpus()
                 .iter()
                 .filter(|g| !st.d.unhealthy.contains_key(&g.index))
-                .flat_map(|g| self.domains_of_gpu(&st, g.index))
+                .flat_map(|g| st.domains_of_gpu(g.index))
                 // A server recovering from a fault may not answer: it is not dead.
                 .filter(|d| !st.recovering.contains_key(d))
                 .map(|d| (d, st.d.domains.get(d).cloned()))
@@ -243,7 +243,7 @@ impl Agent {
             let _serial = lock(&self.domain_ops);
             let expired = {
                 let mut st = self.state();
-                let now = crate::event::now_ms();
+                let now = crate::fault::correlate::now_ms();
                 let used_now: BTreeSet<DomainId> =
                     st.d.registry
                         .tasks()
@@ -315,8 +315,8 @@ impl Agent {
     pub fn domain_status(&self, gpu: u32, own: Option<&BTreeSet<u32>>) -> Vec<DomainStatus> {
         let (domains, jobs) = {
             let st = self.state();
-            let domains: Vec<(DomainId, String)> = self
-                .domains_of_gpu(&st, gpu)
+            let domains: Vec<(DomainId, String)> = st
+                .domains_of_gpu(gpu)
                 .into_iter()
                 .map(|d| (d, st.d.domains.tenancy(d).to_string()))
                 .collect();

@@ -347,7 +347,7 @@ fn print_human(r: &Response) {
                 println!(
                     "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]",
                     t.job_id,
-                    mpsr_agent::decide::step_name(t.step_id),
+                    mpsr_agent::fault::decide::step_name(t.step_id),
                     t.pid,
                     t.uid,
                     t.gpus,
@@ -360,7 +360,7 @@ fn print_human(r: &Response) {
             if let Some(f) = &s.persist_failing {
                 println!(
                     "  STATE DIR REFUSES WRITES since {} ms ago: {} (acting from memory; written once it can be)",
-                    mpsr_agent::event::now_ms().saturating_sub(f.since_ms),
+                    mpsr_agent::fault::correlate::now_ms().saturating_sub(f.since_ms),
                     f.error
                 );
             }

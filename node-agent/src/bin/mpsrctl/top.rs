@@ -56,7 +56,7 @@ pub fn render(r: &TelemetryReply) -> String {
         let (job, step, task, uid) = match c.owner {
             Some(o) => (
                 o.job.to_string(),
-                mpsr_agent::decide::step_name(o.step),
+                mpsr_agent::fault::decide::step_name(o.step),
                 o.task.to_string(),
                 o.uid.to_string(),
             ),

@@ -2,9 +2,9 @@
 //! Pure (no I/O) so every class can be tested exhaustively.
 
 use crate::domain::jobs_by_domain;
-use crate::event::FaultEvent;
+use crate::fault::classify::{BlastRadius, Classifier, FaultClass, JobAction};
+use crate::fault::correlate::FaultEvent;
 use crate::registry::Registry;
-use crate::xid::{BlastRadius, Classifier, FaultClass, JobAction};
 use mpsr_proto::{CulpritEvidence, DomainId, Mode};
 use std::collections::BTreeSet;
 use std::fmt;
@@ -240,7 +240,7 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{FaultEvent, Source};
+    use crate::fault::correlate::{FaultEvent, Source};
     use crate::registry::Task;
     use std::time::Instant;
 
