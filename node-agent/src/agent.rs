@@ -3,16 +3,16 @@
 //! actions), `slurm_exec` (requeue/drain), `recovery` (servers back to ACTIVE, resume verdicts),
 //! `domain` (fault domains' daemons), `persister` (state on disk). Requests are in `handlers`.
 
-use crate::backend::GpuBackend;
+use crate::act::slurm::scontrol::Scontrol;
 use crate::config::Config;
 use crate::domain::{DomainProbe, Policy};
 use crate::fault::classify::{Classifier, FaultClass};
 use crate::fault::correlate::{Correlator, Signal};
-use crate::persist;
-use crate::persister::Persister;
-use crate::registry::procfs;
-use crate::slurm::Scontrol;
-use crate::state::{Durable, State};
+use crate::gpu::GpuBackend;
+use crate::store::persist;
+use crate::store::persister::Persister;
+use crate::store::state::{Durable, State};
+use crate::sys::{lock, procfs};
 use mpsr_proto::DecisionRecord;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
@@ -39,7 +39,7 @@ pub struct Agent {
     /// Each domain's MPS log tails.
     pub(crate) log_tails: crate::domain::LogTails,
     pub started: Instant,
-    pub keepers: Arc<crate::keeper::Keepers>,
+    pub keepers: Arc<crate::act::keepers::Keepers>,
     pub telemetry: crate::telemetry::Telemetry,
 }
 
@@ -58,12 +58,7 @@ pub enum StartError {
         source: std::io::Error,
     },
     #[error(transparent)]
-    Backend(#[from] crate::backend::BackendError),
-}
-
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panicking request thread must not wedge the agent: keep going with the data as it is.
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    Backend(#[from] crate::gpu::BackendError),
 }
 
 impl Agent {
@@ -83,16 +78,16 @@ impl Agent {
         let mut d: Durable = persist::read(&cfg.state_dir.join("state.json"))?.unwrap_or_default();
         let journal_path = cfg.state_dir.join("registry.journal");
         let (replayed, last_seq) =
-            crate::journal::Journal::replay(&journal_path, d.journal_seq, &mut d.registry);
+            crate::store::journal::Journal::replay(&journal_path, d.journal_seq, &mut d.registry);
         if replayed > 0 {
             tracing::info!(entries = replayed, "registry journal replayed");
         }
         let history: VecDeque<DecisionRecord> =
             persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
-        let telemetry: crate::state::TelemetryLog =
+        let telemetry: crate::store::state::TelemetryLog =
             persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
-        d.tasks_left(&gone, crate::fault::correlate::now_ms());
+        d.tasks_left(&gone, crate::sys::now_ms());
         for t in &gone {
             tracing::info!(
                 job = t.job_id,
@@ -112,7 +107,7 @@ impl Agent {
         }
         let window = Duration::from_millis(cfg.faults.correlation_window_ms);
         let slurm = Scontrol::new(cfg.slurm.clone());
-        let keepers = Arc::new(crate::keeper::Keepers::new(
+        let keepers = Arc::new(crate::act::keepers::Keepers::new(
             &cfg,
             backend
                 .gpus()
@@ -215,7 +210,7 @@ impl Agent {
             match tiny_http::Server::http(self.cfg.telemetry.listen.as_str()) {
                 Ok(server) => {
                     let a = self.clone();
-                    spawn("http", Box::new(move || crate::http::serve(a, server)))?;
+                    spawn("http", Box::new(move || crate::api::http::serve(a, server)))?;
                 }
                 // Metrics are not worth failing the fault handling for: say so and go on.
                 Err(e) => tracing::error!(

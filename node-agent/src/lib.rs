@@ -1,31 +1,25 @@
-//! mps-resilient node agent. Data path: intake (`backend`, `intake`, `kmsg`) -> `fault` (correlate,
-//! classify, decide which fault `domain` showed it, record the actions: a pure core fed by one
-//! worker) -> actions (`slurm_exec` requeue/drain, resume board, `recovery` watches servers back).
-//! `server` + `handlers` serve the plugin and `mpsrctl`; `registry`, `state`, `persister`,
-//! `journal` keep jobs and domains.
+//! mps-resilient node agent. Each folder is a stage of the data path, in this order:
+//!
+//! - `intake`: kernel log and MPS log readers turn lines into signals (NVML events come from `gpu`).
+//! - `fault`: signals are correlated into faults, classified and decided by a pure core over the
+//!   state (who was hit, what to do); one worker feeds it and carries its effects out.
+//! - `act`: what the decision asks for: Slurm requeue and drain, servers watched back to ACTIVE,
+//!   resume verdicts, state keepers.
+//! - `store`: the state, the task registry, and their durability.
+//! - `api`: the socket and HTTP requests (registrations from the plugin, `mpsrctl`, keepers).
+//!
+//! Beside the path: `domain` (fault domains: placement and their MPS daemons), `gpu` (the GPU
+//! backends, real and simulated), `telemetry` (the telemetry thread), `config`, `sys` (leaf OS
+//! helpers), and `agent` (wiring: builds the parts and starts the workers).
 
+pub mod act;
 pub mod agent;
-pub mod backend;
+pub mod api;
 pub mod config;
 pub mod domain;
 pub mod fault;
-pub mod file_watch;
-pub mod handlers;
-pub mod http;
+pub mod gpu;
 pub mod intake;
-pub mod journal;
-pub mod keeper;
-pub mod kmsg;
-pub mod logging;
-pub mod mps;
-pub mod notify;
-pub mod persist;
-pub mod persister;
-pub mod recovery;
-pub mod registry;
-pub mod server;
-pub mod slurm;
-pub mod slurm_exec;
-pub mod spawn;
-pub mod state;
+pub mod store;
+pub mod sys;
 pub mod telemetry;

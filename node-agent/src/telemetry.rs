@@ -3,8 +3,9 @@
 //! job reports, durable) and the latest round published for `/metrics` and `mpsrctl top`. It
 //! never takes part in the fault path: it only reads the state lock briefly.
 
-use crate::agent::{lock, Agent};
-use crate::registry::procfs;
+use crate::agent::Agent;
+use crate::sys::lock;
+use crate::sys::procfs;
 use mpsr_proto::PathologyRecord;
 use mpsr_telemetry::metrics::Exporter;
 use mpsr_telemetry::source::{Attached, Source};

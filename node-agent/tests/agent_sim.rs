@@ -2070,7 +2070,7 @@ fn a_wall_clock_jump_changes_no_decision() {
         let c = e.client(gpu, 60.0, false);
         e.register(job, c.id(), &[gpu], Mode::Requeue, true);
         std::fs::write(&clock, format!("{offset}\n")).unwrap();
-        let before = mpsr_agent::fault::correlate::now_ms() as i64;
+        let before = mpsr_agent::sys::now_ms() as i64;
         e.inject(gpu, 43, None, None);
         let want = format!("requeue {job}\n");
         e.wait_for("the requeue after the jump", |e| {

@@ -2,9 +2,9 @@
 
 use clap::Parser;
 use mpsr_agent::agent::Agent;
-use mpsr_agent::backend::{nvml::NvmlBackend, sim::SimBackend, GpuBackend};
 use mpsr_agent::config::{Backend, Config, DEFAULT_PATH};
 use mpsr_agent::fault::classify::Classifier;
+use mpsr_agent::gpu::{nvml::NvmlBackend, sim::SimBackend, GpuBackend};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -32,7 +32,7 @@ fn main() -> std::process::ExitCode {
     if args.self_check {
         let mut ok = true;
         let checks = match cfg.backend {
-            mpsr_agent::config::Backend::Nvml => mpsr_agent::backend::nvml::self_check(&cfg),
+            mpsr_agent::config::Backend::Nvml => mpsr_agent::gpu::nvml::self_check(&cfg),
             mpsr_agent::config::Backend::Sim => sim_self_check(),
         };
         for (what, r) in checks {
@@ -46,7 +46,7 @@ fn main() -> std::process::ExitCode {
         }
         return if ok { 0.into() } else { 1.into() };
     }
-    mpsr_agent::logging::init(&cfg.log, c"mpsr-agent");
+    mpsr_agent::sys::logging::init(&cfg.log, c"mpsr-agent");
     match run(cfg) {
         Ok(()) => 0.into(),
         Err(e) => {
@@ -141,23 +141,25 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let listener = mpsr_agent::server::bind(&cfg.socket)?;
+    let listener = mpsr_agent::api::socket::bind(&cfg.socket)?;
     let socket = cfg.socket.clone();
     let agent = Agent::new(cfg, node.clone(), backend.clone(), classifier, trusted)?;
     agent.start()?;
     tracing::info!(node = %node, backend = backend.name(), simulated = backend.simulated(), gpus = backend.gpus().len(), socket = %socket.display(), "agent ready");
     let a = agent.clone();
-    std::thread::spawn(move || mpsr_agent::server::serve(a, listener));
+    std::thread::spawn(move || mpsr_agent::api::socket::serve(a, listener));
     // Ready once the socket is bound and every domain's daemon is up: slurmd is ordered after it.
     let gpus = backend.gpus().len();
-    if let Err(e) = mpsr_agent::notify::notify(&format!("READY=1\nSTATUS=serving {gpus} GPU(s)")) {
+    if let Err(e) =
+        mpsr_agent::sys::notify::notify(&format!("READY=1\nSTATUS=serving {gpus} GPU(s)"))
+    {
         tracing::warn!(error = %e, "telling systemd we are ready failed");
     }
     let mut sig: libc::c_int = 0;
     // SAFETY: set is a valid sigset and sig a valid out-parameter.
     unsafe { libc::sigwait(&set, &mut sig) };
     tracing::info!(signal = sig, "shutting down");
-    let _ = mpsr_agent::notify::notify("STOPPING=1");
+    let _ = mpsr_agent::sys::notify::notify("STOPPING=1");
     agent.shutdown();
     let _ = std::fs::remove_file(&socket);
     Ok(())

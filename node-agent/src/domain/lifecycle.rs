@@ -3,9 +3,10 @@
 //! probing servers after a fault no domain has shown yet, and stopping domains that stayed empty.
 
 use super::{paths, DomainRecord, DomainSpec, PlaceError};
-use crate::agent::{lock, Agent};
-use crate::backend::BackendError;
+use crate::agent::Agent;
 use crate::fault::correlate::{GpuRef, Signal, Source};
+use crate::gpu::BackendError;
+use crate::sys::lock;
 use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
 use std::collections::BTreeSet;
 use std::sync::mpsc::Receiver;
@@ -139,7 +140,7 @@ impl Agent {
         let _serial = lock(&self.domain_ops);
         {
             let mut st = self.state();
-            let now = crate::fault::correlate::now_ms();
+            let now = crate::sys::now_ms();
             for &gpu in gpus {
                 let p =
                     st.d.domains
@@ -243,7 +244,7 @@ impl Agent {
             let _serial = lock(&self.domain_ops);
             let expired = {
                 let mut st = self.state();
-                let now = crate::fault::correlate::now_ms();
+                let now = crate::sys::now_ms();
                 let used_now: BTreeSet<DomainId> =
                     st.d.registry
                         .tasks()

@@ -323,7 +323,7 @@ impl DomainTable {
 
 /// The domains of each GPU that a set of tasks uses, with their jobs.
 pub fn jobs_by_domain<'a>(
-    tasks: impl Iterator<Item = &'a crate::registry::Task>,
+    tasks: impl Iterator<Item = &'a crate::store::registry::Task>,
     gpu: u32,
 ) -> BTreeMap<DomainId, BTreeSet<u32>> {
     let mut m: BTreeMap<DomainId, BTreeSet<u32>> = BTreeMap::new();

@@ -22,21 +22,26 @@ impl LogTails {
     pub fn ensure(&self, id: DomainId, log_dir: &Path, tx: &Sender<Signal>) -> bool {
         let stop = Arc::new(AtomicBool::new(false));
         {
-            let mut tails = crate::agent::lock(&self.tails);
+            let mut tails = crate::sys::lock(&self.tails);
             if tails.contains_key(&id) {
                 return false;
             }
             tails.insert(id, stop.clone());
         }
         for name in ["server.log", "control.log"] {
-            crate::intake::spawn_log_tail(id, log_dir.join(name), tx.clone(), stop.clone());
+            crate::intake::readers::spawn_log_tail(
+                id,
+                log_dir.join(name),
+                tx.clone(),
+                stop.clone(),
+            );
         }
         true
     }
 
     /// Stops the tails of a domain (stopped, or taken over by a new tenant).
     pub fn stop(&self, id: DomainId) {
-        if let Some(stop) = crate::agent::lock(&self.tails).remove(&id) {
+        if let Some(stop) = crate::sys::lock(&self.tails).remove(&id) {
             stop.store(true, Ordering::SeqCst);
         }
     }

@@ -1,6 +1,6 @@
 //! Raw fault signals from each intake source, and their correlation into one fault event.
 
-use crate::kmsg::PciAddr;
+use crate::intake::kernel_line::PciAddr;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -69,16 +69,9 @@ impl Signal {
             secondary: false,
             detail: String::new(),
             at: Instant::now(),
-            at_ms: now_ms(),
+            at_ms: crate::sys::now_ms(),
         }
     }
-}
-
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// One fault on one GPU, merged from every signal seen within the correlation window.

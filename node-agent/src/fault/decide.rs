@@ -4,7 +4,7 @@
 use crate::domain::jobs_by_domain;
 use crate::fault::classify::{BlastRadius, Classifier, FaultClass, JobAction};
 use crate::fault::correlate::FaultEvent;
-use crate::registry::Registry;
+use crate::store::registry::Registry;
 use mpsr_proto::{CulpritEvidence, DomainId, Mode};
 use std::collections::BTreeSet;
 use std::fmt;
@@ -241,7 +241,7 @@ pub fn decide(
 mod tests {
     use super::*;
     use crate::fault::correlate::{FaultEvent, Source};
-    use crate::registry::Task;
+    use crate::store::registry::Task;
     use std::time::Instant;
 
     fn task(job: u32, pid: u32, gpus: &[u32], mode: Mode, batch: bool) -> Task {

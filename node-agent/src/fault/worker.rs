@@ -7,7 +7,7 @@
 use super::core::{self, Ctx, Effect};
 use super::correlate::{GpuRef, Signal, Source};
 use crate::agent::Agent;
-use crate::registry::procfs;
+use crate::sys::procfs;
 use mpsr_proto::DomainId;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -96,7 +96,7 @@ impl Agent {
     }
 
     /// Every domain of every GPU.
-    pub fn all_domains(&self, st: &crate::state::State) -> Vec<DomainId> {
+    pub fn all_domains(&self, st: &crate::store::state::State) -> Vec<DomainId> {
         self.backend
             .gpus()
             .iter()
@@ -105,7 +105,7 @@ impl Agent {
     }
 
     /// Adds an outcome line to a fault's record and has the history written.
-    pub fn add_outcome(&self, st: &mut crate::state::State, fault_id: u64, line: String) {
+    pub fn add_outcome(&self, st: &mut crate::store::state::State, fault_id: u64, line: String) {
         st.add_outcome(fault_id, line);
         self.persister.history_changed();
         self.mark_journaled();

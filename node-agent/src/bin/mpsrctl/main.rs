@@ -360,7 +360,7 @@ fn print_human(r: &Response) {
             if let Some(f) = &s.persist_failing {
                 println!(
                     "  STATE DIR REFUSES WRITES since {} ms ago: {} (acting from memory; written once it can be)",
-                    mpsr_agent::fault::correlate::now_ms().saturating_sub(f.since_ms),
+                    mpsr_agent::sys::now_ms().saturating_sub(f.since_ms),
                     f.error
                 );
             }

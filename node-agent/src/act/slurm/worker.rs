@@ -1,9 +1,10 @@
 //! Executes pending Slurm actions (requeue, drain) outside the state lock, with retries and backoff;
 //! each result becomes an outcome line of its fault and job.
 
+use crate::act::slurm::queue::SlurmOp;
+use crate::act::slurm::scontrol::Outcome;
 use crate::agent::Agent;
-use crate::slurm::{Outcome, SlurmOp};
-use crate::state::{push_outcome, DONE_KEYS_KEPT};
+use crate::store::state::{push_outcome, DONE_KEYS_KEPT};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +12,8 @@ use std::time::{Duration, Instant};
 impl Agent {
     /// Executes pending Slurm actions outside the state lock; retries with backoff.
     pub(crate) fn slurm_loop(self: Arc<Self>) {
-        let mut not_before: BTreeMap<crate::slurm::ActionKey, Instant> = BTreeMap::new();
+        let mut not_before: BTreeMap<crate::act::slurm::queue::ActionKey, Instant> =
+            BTreeMap::new();
         loop {
             let next = {
                 let mut st = self.state();
@@ -37,7 +39,7 @@ impl Agent {
             // it may have run). A disk that refuses writes delays the action by at most a second.
             if next.fresh && next.attempts == 0 {
                 let d = self.wait_durable_within(self.latest_gen(), Duration::from_secs(1));
-                if d != crate::persister::Durability::Durable {
+                if d != crate::store::persister::Durability::Durable {
                     tracing::warn!(key = %next.key, durability = ?d, "acting before the decision is on disk");
                 }
             }

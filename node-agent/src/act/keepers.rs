@@ -116,7 +116,7 @@ impl Keepers {
             .env("CUDA_MPS_PIPE_DIRECTORY", &no_mps)
             .env("CUDA_MPS_LOG_DIRECTORY", &no_mps);
         // Its own session: the keeper outlives agent restarts.
-        crate::spawn::prepare(&mut c, true);
+        crate::sys::process::prepare(&mut c, true);
         let mut child = c
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)

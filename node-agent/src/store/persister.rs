@@ -2,8 +2,9 @@
 //! bumps the durable generation. Registry changes alone go to the journal (cheap); anything else
 //! rewrites the state file.
 
-use crate::agent::{lock, Agent};
-use crate::persist::{self, PersistError};
+use crate::agent::Agent;
+use crate::store::persist::{self, PersistError};
+use crate::sys::lock;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -12,7 +13,7 @@ pub struct Persister {
     gens: Mutex<(u64, u64)>,
     cv: Condvar,
     full: AtomicBool,
-    journal: Mutex<crate::journal::Journal>,
+    journal: Mutex<crate::store::journal::Journal>,
     /// The decision history changed (kept in its own file; not needed for correctness).
     history: AtomicBool,
     /// The telemetry log changed (its own file too).
@@ -41,7 +42,7 @@ impl Persister {
             cv: Condvar::new(),
             // The first write is a full one: it folds the replayed journal into the state file.
             full: AtomicBool::new(true),
-            journal: Mutex::new(crate::journal::Journal::new(journal_path)),
+            journal: Mutex::new(crate::store::journal::Journal::new(journal_path)),
             history: AtomicBool::new(false),
             telemetry: AtomicBool::new(false),
             failing: Mutex::new(None),
@@ -67,7 +68,7 @@ impl Persister {
             Err(e) => {
                 let since_ms = f
                     .as_ref()
-                    .map_or_else(crate::fault::correlate::now_ms, |was| was.since_ms);
+                    .map_or_else(crate::sys::now_ms, |was| was.since_ms);
                 *f = Some(mpsr_proto::PersistFailure {
                     since_ms,
                     errno: e.errno(),
@@ -98,7 +99,7 @@ impl Agent {
         &self,
         flag: &AtomicBool,
         name: &'static str,
-        body: impl FnOnce(&crate::state::State) -> serde_json::Result<Vec<u8>>,
+        body: impl FnOnce(&crate::store::state::State) -> serde_json::Result<Vec<u8>>,
     ) {
         if !flag.swap(false, SeqCst) {
             return;

@@ -1,10 +1,10 @@
 //! What the agent keeps: the durable part (survives restarts) and the in-memory part of its state.
 
+use crate::act::slurm::queue::PendingAction;
 use crate::domain::DomainTable;
 use crate::fault::classify::FaultClass;
 use crate::fault::correlate::Correlator;
-use crate::registry::Registry;
-use crate::slurm::PendingAction;
+use crate::store::registry::Registry;
 use mpsr_proto::{DecisionRecord, DomainId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -35,16 +35,16 @@ impl ResumeEntry {
 /// The resume board: a hit task's verdict, by task. On disk a list of `[job, step, pid, entry]`;
 /// the map `"job.step.pid" -> entry` of older state files is read too.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ResumeBoard(BTreeMap<crate::registry::TaskKey, ResumeEntry>);
+pub struct ResumeBoard(BTreeMap<crate::store::registry::TaskKey, ResumeEntry>);
 
 impl ResumeBoard {
-    pub fn get(&self, k: crate::registry::TaskKey) -> Option<&ResumeEntry> {
+    pub fn get(&self, k: crate::store::registry::TaskKey) -> Option<&ResumeEntry> {
         self.0.get(&k)
     }
-    pub fn insert(&mut self, k: crate::registry::TaskKey, e: ResumeEntry) {
+    pub fn insert(&mut self, k: crate::store::registry::TaskKey, e: ResumeEntry) {
         self.0.insert(k, e);
     }
-    pub fn remove(&mut self, k: crate::registry::TaskKey) -> Option<ResumeEntry> {
+    pub fn remove(&mut self, k: crate::store::registry::TaskKey) -> Option<ResumeEntry> {
         self.0.remove(&k)
     }
     /// Forgets every task of a job (its next run starts clean).
@@ -92,7 +92,7 @@ pub struct Durable {
     pub domains: DomainTable,
     pub next_fault_id: u64,
     pub pending: Vec<PendingAction>,
-    pub done_keys: VecDeque<crate::slurm::ActionKey>,
+    pub done_keys: VecDeque<crate::act::slurm::queue::ActionKey>,
     /// job -> outcome lines (requeue done, resume handed over, ...).
     pub outcomes: BTreeMap<u32, Vec<String>>,
     /// Hit task -> what its resume supervisor is told.
@@ -160,7 +160,7 @@ impl Durable {
     /// remaining task uses is empty from now on, so placement may take it over at once.
     pub fn tasks_left<'a>(
         &mut self,
-        left: impl IntoIterator<Item = &'a crate::registry::Task>,
+        left: impl IntoIterator<Item = &'a crate::store::registry::Task>,
         now_ms: u64,
     ) {
         let domains: BTreeSet<DomainId> = left
@@ -258,9 +258,9 @@ pub struct State {
     /// Tasks that just exited abnormally. A fault kills its clients at about the moment its Xid is
     /// reported, so a victim may deregister before the fault's first signal arrives: it still
     /// counts as hit for a short while.
-    pub recent_exits: VecDeque<(Instant, crate::registry::Task)>,
+    pub recent_exits: VecDeque<(Instant, crate::store::registry::Task)>,
     /// Registry changes not yet in the journal file.
-    pub journal_pending: Vec<crate::journal::Entry>,
+    pub journal_pending: Vec<crate::store::journal::Entry>,
     pub next_seq: u64,
 }
 
@@ -291,14 +291,15 @@ impl State {
     }
 
     /// Records a registry change for the journal (the change itself is already applied).
-    pub fn journal(&mut self, op: crate::journal::Op) {
+    pub fn journal(&mut self, op: crate::store::journal::Op) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.journal_pending.push(crate::journal::Entry { seq, op });
+        self.journal_pending
+            .push(crate::store::journal::Entry { seq, op });
     }
 
     /// Notes an abnormal task exit (see `recent_exits`).
-    pub fn note_exit(&mut self, t: crate::registry::Task, keep: Duration) {
+    pub fn note_exit(&mut self, t: crate::store::registry::Task, keep: Duration) {
         self.recent_exits.retain(|(at, _)| at.elapsed() < keep);
         self.recent_exits.push_back((Instant::now(), t));
         while self.recent_exits.len() > 10_000 {

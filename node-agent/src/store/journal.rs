@@ -4,7 +4,7 @@
 //! else changes or the journal grows, and the journal then starts over. On start the agent loads
 //! the state file and replays the journal entries newer than it (a torn last line is ignored).
 
-use crate::registry::{Registry, Task};
+use crate::store::registry::{Registry, Task};
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -122,7 +122,7 @@ mod tests {
     fn task(job: u32, pid: u32) -> Task {
         Task {
             trusted: true,
-            ..crate::registry::tests::task(job, pid, 1000, &[0])
+            ..crate::store::registry::tests::task(job, pid, 1000, &[0])
         }
     }
 

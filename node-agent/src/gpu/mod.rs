@@ -2,12 +2,13 @@
 //! only sees this trait: GPUs, their event sources, and fault domains (one MPS control daemon and
 //! server each) addressed by [`DomainId`].
 
+pub mod mps;
 pub mod nvml;
 pub mod sim;
 
 use crate::domain::DomainSpec;
 use crate::fault::correlate::Signal;
-use crate::kmsg::PciAddr;
+use crate::intake::kernel_line::PciAddr;
 use mpsr_proto::{DomainId, ServerState};
 use std::sync::mpsc::Sender;
 
@@ -25,7 +26,7 @@ pub enum BackendError {
     #[error("MPS control daemon of {domain}: {source}")]
     Mps {
         domain: DomainId,
-        source: crate::mps::MpsError,
+        source: crate::sys::process::RunError,
     },
     #[error("no GPU {0}")]
     NoSuchGpu(u32),

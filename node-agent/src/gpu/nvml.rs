@@ -5,8 +5,8 @@ use super::{BackendError, GpuBackend, GpuInfo};
 use crate::config::Config;
 use crate::domain::DomainSpec;
 use crate::fault::correlate::{GpuRef, Signal, Source};
-use crate::kmsg::PciAddr;
-use crate::mps::MpsDaemon;
+use crate::gpu::mps::MpsDaemon;
+use crate::intake::kernel_line::PciAddr;
 use mpsr_proto::{DomainId, ServerState};
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
@@ -148,7 +148,7 @@ impl NvmlBackend {
             .ok_or(BackendError::NoSuchDomain(id))
     }
 
-    fn mps(id: DomainId) -> impl Fn(crate::mps::MpsError) -> BackendError {
+    fn mps(id: DomainId) -> impl Fn(crate::sys::process::RunError) -> BackendError {
         move |source| BackendError::Mps { domain: id, source }
     }
 
@@ -237,7 +237,9 @@ impl GpuBackend for NvmlBackend {
             .name("nvml-xid".into())
             .spawn(move || NvmlBackend::xid_loop(nvml, n, t))?;
         if let Some((path, cursor)) = &self.kmsg {
-            if let Err(e) = crate::intake::spawn_kmsg_reader(path.clone(), cursor.clone(), tx) {
+            if let Err(e) =
+                crate::intake::readers::spawn_kmsg_reader(path.clone(), cursor.clone(), tx)
+            {
                 tracing::warn!(error = %e, path = %path.display(), "kernel log not readable; NVML events only");
             }
         }

@@ -1,24 +1,11 @@
 //! One real MPS control daemon per fault domain, driven through `nvidia-cuda-mps-control` with
 //! bounded waits.
 
+use crate::sys::process::{run_bounded, RunError};
 use mpsr_proto::{DomainId, ServerState};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-#[derive(Debug, thiserror::Error)]
-pub enum MpsError {
-    #[error("cannot run {binary}: {source}")]
-    Spawn {
-        binary: String,
-        source: std::io::Error,
-    },
-    #[error("`{command}` timed out after {ms} ms")]
-    Timeout { command: String, ms: u128 },
-    #[error("`{command}` failed: {output}")]
-    Failed { command: String, output: String },
-}
 
 #[derive(Debug, Clone)]
 pub struct MpsDaemon {
@@ -45,10 +32,10 @@ impl MpsDaemon {
     /// the pipe directory belongs to that uid (mode 0700): no other user's process can become a
     /// client of this domain's server. Its log directory belongs to that uid too (0755): the
     /// server, which runs as the client's user, writes server.log there; the agent reads it.
-    pub fn start(&self, owner_uid: Option<u32>) -> Result<(), MpsError> {
+    pub fn start(&self, owner_uid: Option<u32>) -> Result<(), RunError> {
         let dir_err = |d: &Path| {
             let binary = d.display().to_string();
-            move |source| MpsError::Spawn { binary, source }
+            move |source| RunError::Spawn { binary, source }
         };
         for d in [&self.pipe_dir, &self.log_dir] {
             std::fs::create_dir_all(d).map_err(dir_err(d))?;
@@ -74,7 +61,7 @@ impl MpsDaemon {
         }
         let out = run_bounded(c, None, self.timeout, "nvidia-cuda-mps-control -d")?;
         if !out.0 {
-            return Err(MpsError::Failed {
+            return Err(RunError::Failed {
                 command: "nvidia-cuda-mps-control -d".into(),
                 output: out.1,
             });
@@ -87,17 +74,17 @@ impl MpsDaemon {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Err(MpsError::Timeout {
+        Err(RunError::Timeout {
             command: "control daemon start".into(),
             ms: self.timeout.as_millis(),
         })
     }
 
     /// Sends one command on stdin and returns stdout.
-    pub fn send(&self, cmd: &str) -> Result<String, MpsError> {
+    pub fn send(&self, cmd: &str) -> Result<String, RunError> {
         let (ok, out) = run_bounded(self.command(), Some(cmd), self.timeout, cmd)?;
         if !ok {
-            return Err(MpsError::Failed {
+            return Err(RunError::Failed {
                 command: cmd.into(),
                 output: out,
             });
@@ -105,17 +92,17 @@ impl MpsDaemon {
         Ok(out)
     }
 
-    pub fn server_list(&self) -> Result<Vec<u32>, MpsError> {
+    pub fn server_list(&self) -> Result<Vec<u32>, RunError> {
         Ok(parse_pids(&self.send("get_server_list")?))
     }
 
-    pub fn client_list(&self, server: u32) -> Result<Vec<u32>, MpsError> {
+    pub fn client_list(&self, server: u32) -> Result<Vec<u32>, RunError> {
         Ok(parse_pids(
             &self.send(&format!("get_client_list {server}"))?,
         ))
     }
 
-    pub fn terminate_client(&self, server: u32, client: u32) -> Result<(), MpsError> {
+    pub fn terminate_client(&self, server: u32, client: u32) -> Result<(), RunError> {
         self.send(&format!("terminate_client {server} {client}"))
             .map(|_| ())
     }
@@ -125,7 +112,7 @@ impl MpsDaemon {
         &self,
         thread_pct: Option<u8>,
         mem_limit: Option<u64>,
-    ) -> Result<(), MpsError> {
+    ) -> Result<(), RunError> {
         if let Some(p) = thread_pct.filter(|p| *p < 100) {
             self.send(&format!("set_default_active_thread_percentage {p}"))?;
         }
@@ -152,7 +139,7 @@ impl MpsDaemon {
         }
     }
 
-    pub fn quit(&self) -> Result<(), MpsError> {
+    pub fn quit(&self) -> Result<(), RunError> {
         self.send("quit").map(|_| ())
     }
 
@@ -233,90 +220,6 @@ pub fn parse_control_log(line: &str) -> Option<ControlLogEvent> {
     None
 }
 
-/// Runs a command with optional stdin and a hard deadline (killed past it).
-pub fn run_bounded(
-    mut c: Command,
-    stdin: Option<&str>,
-    timeout: Duration,
-    what: &str,
-) -> Result<(bool, String), MpsError> {
-    c.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let binary = format!("{:?}", c.get_program());
-    crate::spawn::prepare(&mut c, false);
-    let mut child = c
-        .spawn()
-        .map_err(|source| MpsError::Spawn { binary, source })?;
-    if let (Some(input), Some(mut si)) = (stdin, child.stdin.take()) {
-        let _ = si.write_all(input.as_bytes());
-        let _ = si.write_all(b"\n");
-    }
-    // Readers on threads so a chatty child cannot block on a full pipe while we wait.
-    let mut so = child.stdout.take();
-    let mut se = child.stderr.take();
-    let t_out = std::thread::spawn(move || {
-        let mut s = String::new();
-        if let Some(o) = so.as_mut() {
-            let _ = o.read_to_string(&mut s);
-        }
-        s
-    });
-    let t_err = std::thread::spawn(move || {
-        let mut s = String::new();
-        if let Some(e) = se.as_mut() {
-            let _ = e.read_to_string(&mut s);
-        }
-        s
-    });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break st,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(MpsError::Timeout {
-                    command: what.into(),
-                    ms: timeout.as_millis(),
-                });
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => {
-                return Err(MpsError::Failed {
-                    command: what.into(),
-                    output: e.to_string(),
-                })
-            }
-        }
-    };
-    // A daemonizing child may leave its pipes open in the grandchild; do not wait for them forever.
-    let out = join_bounded(t_out, Duration::from_millis(200));
-    let err = join_bounded(t_err, Duration::from_millis(200));
-    let text = if err.trim().is_empty() {
-        out
-    } else {
-        format!("{out}{err}")
-    };
-    Ok((status.success(), text.trim().to_string()))
-}
-
-fn join_bounded(h: std::thread::JoinHandle<String>, wait: Duration) -> String {
-    let deadline = Instant::now() + wait;
-    while !h.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    if h.is_finished() {
-        h.join().unwrap_or_default()
-    } else {
-        String::new()
-    }
-}
-
 /// A byte count as MPS limit syntax: whole GiB as `NG`, else MiB rounded up (`NM`).
 pub fn mem_limit_arg(bytes: u64) -> String {
     const GIB: u64 = 1 << 30;
@@ -384,7 +287,7 @@ mod tests {
         c.arg("5");
         let t = Instant::now();
         let e = run_bounded(c, None, Duration::from_millis(200), "sleep").unwrap_err();
-        assert!(matches!(e, MpsError::Timeout { .. }));
+        assert!(matches!(e, RunError::Timeout { .. }));
         assert!(t.elapsed() < Duration::from_secs(2));
         let (ok, out) = run_bounded(
             Command::new("cat"),

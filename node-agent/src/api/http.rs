@@ -3,7 +3,8 @@
 //! only; it shows job ids and uids to whoever reaches the address, like dcgm-exporter's job
 //! mapping: bind it to localhost or the cluster's management network.
 
-use crate::agent::{lock, Agent};
+use crate::agent::Agent;
+use crate::sys::lock;
 use std::sync::Arc;
 use tiny_http::{Header, Method, Response, Server};
 

@@ -266,85 +266,6 @@ impl Registry {
     }
 }
 
-/// Process facts from /proc, used for ownership checks, liveness and pid -> job mapping.
-pub mod procfs {
-    use std::fs;
-
-    /// Start time in clock ticks (field 22 of /proc/PID/stat).
-    pub fn start_ticks(pid: u32) -> Option<u64> {
-        let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // comm (field 2) may contain spaces and parens: split after the last ')'.
-        let rest = &s[s.rfind(')')? + 2..];
-        rest.split_whitespace().nth(19)?.parse().ok()
-    }
-
-    pub fn parent(pid: u32) -> Option<u32> {
-        let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let rest = &s[s.rfind(')')? + 2..];
-        rest.split_whitespace().nth(1)?.parse().ok()
-    }
-
-    /// Real uid of a process.
-    pub fn uid(pid: u32) -> Option<u32> {
-        let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
-    }
-
-    pub fn alive(pid: u32, start: Option<u64>) -> bool {
-        match (start_ticks(pid), start) {
-            (Some(now), Some(then)) => now == then,
-            (Some(_), None) => true,
-            (None, _) => false,
-        }
-    }
-
-    /// Every live process that is one of `roots` or has one among its ancestors (one scan of
-    /// /proc for all of them).
-    pub fn under(roots: &[u32]) -> Vec<u32> {
-        if roots.is_empty() {
-            return Vec::new();
-        }
-        let Ok(rd) = fs::read_dir("/proc") else {
-            return Vec::new();
-        };
-        rd.flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|p| ancestry(*p).iter().any(|a| roots.contains(a)))
-            .collect()
-    }
-
-    /// Whether the process holds an NVIDIA device open (it is a CUDA process: an MPS client).
-    pub fn uses_gpu(pid: u32) -> bool {
-        let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else {
-            return false;
-        };
-        rd.flatten().any(|e| {
-            fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("/dev/nvidia"))
-        })
-    }
-
-    /// `pid` and its ancestors, nearest first (bounded, so a loop in a bad /proc cannot hang us).
-    pub fn ancestry(pid: u32) -> Vec<u32> {
-        let mut out = vec![pid];
-        let mut cur = pid;
-        for _ in 0..64 {
-            match parent(cur) {
-                Some(p) if p > 1 && p != cur => {
-                    out.push(p);
-                    cur = p;
-                }
-                _ => break,
-            }
-        }
-        out
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -414,18 +335,6 @@ pub(crate) mod tests {
         assert_eq!(dead.len(), 1);
         assert_eq!(dead[0].pid, 20);
         assert_eq!(r.jobs(), [1].into());
-    }
-
-    #[test]
-    fn procfs_self() {
-        let me = std::process::id();
-        let st = procfs::start_ticks(me);
-        assert!(st.is_some());
-        assert!(procfs::alive(me, st));
-        assert!(!procfs::alive(me, st.map(|s| s + 1)));
-        // SAFETY: getuid has no preconditions.
-        assert_eq!(procfs::uid(me), Some(unsafe { libc::getuid() }));
-        assert!(procfs::ancestry(me).len() >= 2);
     }
 
     #[test]

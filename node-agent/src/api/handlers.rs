@@ -3,7 +3,8 @@
 
 use crate::agent::Agent;
 use crate::domain::{paths, Placement, PlacementError};
-use crate::registry::{procfs, Task};
+use crate::store::registry::Task;
+use crate::sys::procfs;
 use mpsr_proto::{
     DecisionRecord, DomainId, ErrorCode, GpuContext, GpuStatus, HealthReply, Isolation, JobReport,
     PeerCred, Registration, Request, Response, StatusReply,
@@ -58,11 +59,11 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
                 .iter()
                 .filter_map(|k| st.d.registry.remove(*k))
                 .collect();
-            st.d.tasks_left(&left, crate::fault::correlate::now_ms());
+            st.d.tasks_left(&left, crate::sys::now_ms());
             st.d.resume.remove_job(job_id);
             st.d.start_run(job_id, uid, restart_count);
             if restart_count > 0 {
-                crate::state::push_outcome(
+                crate::store::state::push_outcome(
                     &mut st.d.outcomes,
                     job_id,
                     format!(
@@ -83,17 +84,17 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             let owner = st.d.owner_of(job_id);
             st.d.running.remove(&job_id);
             let left = st.d.registry.remove_job(job_id);
-            st.d.tasks_left(&left, crate::fault::correlate::now_ms());
+            st.d.tasks_left(&left, crate::sys::now_ms());
             st.d.resume.remove_job(job_id);
             let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
             if let Some(uid) = owner {
-                crate::state::archive_report(&mut st.d, uid, rep.clone());
+                crate::store::state::archive_report(&mut st.d, uid, rep.clone());
             }
             // A requeued job may come back here: its kept GPU state waits for it a while. Its
             // requeue may also still be queued (Slurm ends the job before the agent's call runs).
             let requeued = st.d.requeued.remove(&job_id).is_some()
                 || st.d.pending.iter().any(|p| {
-                    matches!(p.op, crate::slurm::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
+                    matches!(p.op, crate::act::slurm::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
                 });
             drop(st);
             agent.mark_dirty();
@@ -147,7 +148,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             }
         }
         Request::Telemetry => {
-            let mut snapshot = crate::agent::lock(&agent.telemetry.exporter.0).clone();
+            let mut snapshot = crate::sys::lock(&agent.telemetry.exporter.0).clone();
             if !trusted {
                 let own = agent.state().d.jobs_of(peer.uid);
                 snapshot
@@ -332,7 +333,7 @@ fn deregister(
     agent: &Agent,
     peer: PeerCred,
     trusted: bool,
-    (job_id, step_id, pid): crate::registry::TaskKey,
+    (job_id, step_id, pid): crate::store::registry::TaskKey,
     exit_status: Option<i32>,
 ) -> Response {
     let mut st = agent.state();
@@ -346,8 +347,8 @@ fn deregister(
         return denied(format!("job {job_id} belongs to another user"));
     }
     st.d.registry.remove((job_id, step_id, pid));
-    st.d.tasks_left([&t], crate::fault::correlate::now_ms());
-    st.journal(crate::journal::Op::Remove {
+    st.d.tasks_left([&t], crate::sys::now_ms());
+    st.journal(crate::store::journal::Op::Remove {
         job: job_id,
         step: step_id,
         pid,
@@ -555,17 +556,17 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
         match st.d.registry.register(task.clone()) {
             Ok(evicted) => {
                 for t in &evicted {
-                    st.journal(crate::journal::Op::Remove {
+                    st.journal(crate::store::journal::Op::Remove {
                         job: t.job_id,
                         step: t.step_id,
                         pid: t.pid,
                     });
                 }
-                st.journal(crate::journal::Op::Register { task });
-                st.d.tasks_left(&evicted, crate::fault::correlate::now_ms());
+                st.journal(crate::store::journal::Op::Register { task });
+                st.d.tasks_left(&evicted, crate::sys::now_ms());
                 for d in &waived {
                     tracing::warn!(job = r.job_id, uid, domain = %d, "quarantined job placed where it asked: no fault domain free on its GPU");
-                    crate::state::push_outcome(
+                    crate::store::state::push_outcome(
                         &mut st.d.outcomes,
                         r.job_id,
                         format!(
@@ -592,14 +593,14 @@ fn register(agent: &Agent, peer: PeerCred, trusted: bool, r: Registration) -> Re
     // state directory that refuses writes (full, read-only) must not stop jobs from starting: the
     // task is protected from memory, status says the disk fails, and it is written once it can be.
     match agent.wait_durable_within(gen, Duration::from_secs(5)) {
-        crate::persister::Durability::Durable => {}
-        crate::persister::Durability::Failing => {
+        crate::store::persister::Durability::Durable => {}
+        crate::store::persister::Durability::Failing => {
             tracing::warn!(
                 job = r.job_id,
                 "registered in memory only: the state directory refuses writes"
             );
         }
-        crate::persister::Durability::Slow => {
+        crate::store::persister::Durability::Slow => {
             return Response::error(
                 ErrorCode::Internal,
                 "registration not yet persisted (state dir slow?)",

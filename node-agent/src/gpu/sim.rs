@@ -7,7 +7,7 @@
 use super::{BackendError, GpuBackend, GpuInfo};
 use crate::domain::DomainSpec;
 use crate::fault::correlate::{GpuRef, Signal, Source};
-use crate::kmsg::{self, PciAddr};
+use crate::intake::kernel_line::{self, PciAddr};
 use mpsr_proto::{DomainId, ServerState};
 use mpsr_simgpu::{DriverPatch, SimEvent, SimReply, SimRequest};
 use mpsr_telemetry::replay::{Injection, Pathology};
@@ -103,7 +103,7 @@ impl SimBackend {
             .arg(self.recovery_ms.to_string());
         c.arg("--driver-patch").arg(self.driver_patch.name());
         // Its own session: the daemon outlives the agent, as MPS control daemons do.
-        crate::spawn::prepare(&mut c, true);
+        crate::sys::process::prepare(&mut c, true);
         c.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -136,8 +136,10 @@ impl SimBackend {
                                 s.detail = "simulated NVML XidCriticalError".into();
                                 Some(s)
                             }
-                            Ok(SimReply::Event(SimEvent::Kmsg(l))) => kmsg::parse_line(&l)
-                                .and_then(|k| crate::intake::signal_from_kernel(&k, Source::Kmsg)),
+                            Ok(SimReply::Event(SimEvent::Kmsg(l))) => kernel_line::parse_line(&l)
+                                .and_then(|k| {
+                                    crate::intake::readers::signal_from_kernel(&k, Source::Kmsg)
+                                }),
                             _ => None,
                         };
                         if let Some(sig) = sig {

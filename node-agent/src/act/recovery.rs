@@ -11,8 +11,8 @@
 
 use crate::agent::Agent;
 use crate::fault::classify::FaultClass;
-use crate::registry::procfs;
-use crate::state::State;
+use crate::store::state::State;
+use crate::sys::procfs;
 use mpsr_proto::{DomainId, ResumeVerdict, ServerState};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -194,7 +194,7 @@ impl Agent {
         }
     }
 
-    pub fn resume_verdict(&self, key: crate::registry::TaskKey) -> (ResumeVerdict, String) {
+    pub fn resume_verdict(&self, key: crate::store::registry::TaskKey) -> (ResumeVerdict, String) {
         let entry = self.state().d.resume.get(key).cloned();
         let Some(e) = entry else {
             return (ResumeVerdict::NotHit, "no fault known for this task".into());

@@ -2,8 +2,8 @@
 //! number seen in this boot) and tailing each fault domain's MPS logs. Each turns lines into [`Signal`]s.
 
 use crate::fault::correlate::{GpuRef, Signal, Source};
-use crate::kmsg;
-use crate::mps::{parse_control_log, ControlLogEvent};
+use crate::gpu::mps::{parse_control_log, ControlLogEvent};
+use crate::intake::kernel_line;
 use mpsr_proto::DomainId;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -39,7 +39,7 @@ pub fn spawn_kmsg_reader(
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)?;
     let boot = boot_id();
-    let saved: Option<KmsgCursor> = crate::persist::read(&cursor_file).ok().flatten();
+    let saved: Option<KmsgCursor> = crate::store::persist::read(&cursor_file).ok().flatten();
     let resume_after = match saved {
         Some(c) if c.boot_id == boot => Some(c.seq),
         _ => {
@@ -78,13 +78,13 @@ fn kmsg_loop(
             }
         };
         let rec = String::from_utf8_lossy(&buf[..n]);
-        let Some(r) = kmsg::parse_kmsg_record(&rec) else {
+        let Some(r) = kernel_line::parse_kmsg_record(&rec) else {
             continue;
         };
         if resume_after.is_some_and(|s| r.seq <= s) {
             continue;
         }
-        let parsed = kmsg::parse_line(r.message);
+        let parsed = kernel_line::parse_line(r.message);
         if parsed.is_some() && !r.from_kernel() {
             // Root wrote an Xid or isolation line into /dev/kmsg: not the driver's word.
             tracing::warn!(
@@ -102,7 +102,7 @@ fn kmsg_loop(
                 }
             }
             // Only NVRM records move the cursor: cheap, and enough to not replay a fault twice.
-            let _ = crate::persist::write_atomic(
+            let _ = crate::store::persist::write_atomic(
                 &cursor_file,
                 &KmsgCursor {
                     boot_id: boot.clone(),
@@ -125,7 +125,7 @@ pub fn spawn_log_tail(domain: DomainId, path: PathBuf, tx: Sender<Signal>, stop:
 fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBool) {
     let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     // Woken by writes to the log's directory; the bound is how long a stopped tail may linger.
-    let watch = crate::file_watch::FileWatch::new(path);
+    let watch = crate::intake::file_watch::FileWatch::new(path);
     if !watch.notified() {
         tracing::debug!(%domain, path = %path.display(), "no inotify: polling the log every 50 ms");
     }
@@ -174,16 +174,16 @@ fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBoo
 }
 
 /// A parsed kernel line as a fault signal.
-pub fn signal_from_kernel(line: &kmsg::KernelLine, source: Source) -> Option<Signal> {
+pub fn signal_from_kernel(line: &kernel_line::KernelLine, source: Source) -> Option<Signal> {
     match line {
-        kmsg::KernelLine::Xid(x) => {
+        kernel_line::KernelLine::Xid(x) => {
             let mut s = Signal::new(source, GpuRef::Pci(x.pci), Some(x.xid));
             s.reported_pid = x.pid;
             s.secondary = x.secondary;
             s.detail = x.detail.clone();
             Some(s)
         }
-        kmsg::KernelLine::Isolation {
+        kernel_line::KernelLine::Isolation {
             pci,
             xid,
             culprit_pid,

@@ -1,0 +1,130 @@
+//! The Slurm actions a decision queues: requeue a job, drain the node. Each is idempotent by its
+//! key, queued in the durable state (so an agent restart loses none) and coalesced in a storm (one
+//! requeue per run of a job, one drain in flight).
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum SlurmOp {
+    Requeue {
+        job_id: u32,
+        /// Slurm's restart count of the job when it was hit; a higher count means this requeue
+        /// already happened (before an agent crash or a timed-out attempt).
+        #[serde(default)]
+        restarts_before: Option<u32>,
+    },
+    Drain {
+        node: String,
+        reason: String,
+    },
+}
+
+impl SlurmOp {
+    /// The run of a job a requeue ends (job id and Slurm's restart count), when known: a done
+    /// requeue keeps it among the done keys so later faults of the same run add no second one.
+    pub fn run_key(&self) -> Option<ActionKey> {
+        match self {
+            SlurmOp::Requeue {
+                job_id,
+                restarts_before: Some(r),
+            } => Some(ActionKey::RunRequeued {
+                job: *job_id,
+                restarts: *r,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// What makes a Slurm action idempotent: the same key is queued and done once. On disk the text
+/// of earlier versions (`f3:requeue:7`, `f3:drain`, `run:7:0:requeued`), so state files carry over.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum ActionKey {
+    /// The requeue of a job for one fault.
+    Requeue { fault: u64, job: u32 },
+    /// The drain of the node for one fault.
+    Drain { fault: u64 },
+    /// A requeue of one run of a job (Slurm's restart count) is done: that run gets no second.
+    RunRequeued { job: u32, restarts: u32 },
+    /// A key this version does not know (kept as it was read, matched by equality only).
+    Other(String),
+}
+
+impl std::fmt::Display for ActionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ActionKey::Requeue { fault, job } => write!(f, "f{fault}:requeue:{job}"),
+            ActionKey::Drain { fault } => write!(f, "f{fault}:drain"),
+            ActionKey::RunRequeued { job, restarts } => write!(f, "run:{job}:{restarts}:requeued"),
+            ActionKey::Other(s) => f.write_str(s),
+        }
+    }
+}
+
+impl From<ActionKey> for String {
+    fn from(k: ActionKey) -> String {
+        k.to_string()
+    }
+}
+
+impl From<String> for ActionKey {
+    fn from(s: String) -> ActionKey {
+        let parts: Vec<&str> = s.split(':').collect();
+        let fault = |p: &str| p.strip_prefix('f').and_then(|n| n.parse::<u64>().ok());
+        let parsed = match parts.as_slice() {
+            [f, "requeue", j] => fault(f)
+                .zip(j.parse().ok())
+                .map(|(fault, job)| ActionKey::Requeue { fault, job }),
+            [f, "drain"] => fault(f).map(|fault| ActionKey::Drain { fault }),
+            ["run", j, r, "requeued"] => j
+                .parse()
+                .ok()
+                .zip(r.parse().ok())
+                .map(|(job, restarts)| ActionKey::RunRequeued { job, restarts }),
+            _ => None,
+        };
+        parsed.unwrap_or(ActionKey::Other(s))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingAction {
+    pub key: ActionKey,
+    pub fault_id: u64,
+    pub op: SlurmOp,
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    /// Created by this agent process and never attempted. An action read back from disk after a
+    /// restart may have run just before the crash, so it is verified against Slurm first.
+    #[serde(skip)]
+    pub fresh: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn action_keys_read_the_text_of_earlier_state_files() {
+        for (text, key) in [
+            ("f3:requeue:7", ActionKey::Requeue { fault: 3, job: 7 }),
+            ("f12:drain", ActionKey::Drain { fault: 12 }),
+            (
+                "run:7:2:requeued",
+                ActionKey::RunRequeued {
+                    job: 7,
+                    restarts: 2,
+                },
+            ),
+            ("x:y", ActionKey::Other("x:y".into())),
+        ] {
+            assert_eq!(ActionKey::from(text.to_string()), key);
+            assert_eq!(key.to_string(), text);
+            let json = serde_json::to_string(&key).unwrap();
+            assert_eq!(json, format!("\"{text}\""));
+            assert_eq!(serde_json::from_str::<ActionKey>(&json).unwrap(), key);
+        }
+    }
+}

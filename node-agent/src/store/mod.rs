@@ -1,0 +1,16 @@
+//! What the agent keeps and how it survives a restart. What enters: tasks (registrations), decisions
+//! and their actions (from the fault core and the workers). What leaves: the state file, the
+//! registry journal and the decision history on disk, written atomically (temp + fsync + rename +
+//! dir fsync), and read back at start.
+//!
+//! - `state`: the agent's state, durable and in memory.
+//! - `registry`: the registered tasks of jobs.
+//! - `journal`: registry changes appended between full state writes.
+//! - `persist`: atomic file writes and reads.
+//! - `persister`: the thread that writes state, journal and history, and the durability waits.
+
+pub mod journal;
+pub mod persist;
+pub mod persister;
+pub mod registry;
+pub mod state;

@@ -1,0 +1,24 @@
+//! Leaf helpers on the operating system, used by every stage: /proc facts, starting programs with
+//! a deadline, telling systemd, logging, the wall clock and poison-tolerant locks. Nothing here
+//! knows about faults, jobs or GPUs.
+
+pub mod logging;
+pub mod notify;
+pub mod process;
+pub mod procfs;
+
+use std::sync::{Mutex, MutexGuard};
+
+/// Unix milliseconds of the wall clock (what outlives a restart: quarantine, linger).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Locks a mutex; a thread that panicked holding it must not wedge the agent: go on with the data
+/// as it is.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
