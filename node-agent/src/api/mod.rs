@@ -4,9 +4,14 @@
 //! sent to the fault worker as signals.
 //!
 //! - `socket`: the listening socket, connection limits, framing.
-//! - `handlers`: one function per request, the authorization rule in one place.
+//! - `dispatch`: who may ask what (one table), and the handler of each request.
+//! - `tasks`, `jobs`, `views`, `admin`: the handlers, one module per request family.
 //! - `http`: `/metrics` and the job endpoints.
 
-pub mod handlers;
+mod admin;
+pub mod dispatch;
 pub mod http;
+mod jobs;
 pub mod socket;
+mod tasks;
+mod views;

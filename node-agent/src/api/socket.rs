@@ -61,7 +61,7 @@ fn handle_conn(agent: &Agent, peer: PeerCred, mut s: UnixStream) {
             Err(_) => return,
         };
         let resp = match serde_json::from_slice::<Request>(&body) {
-            Ok(req) => crate::api::handlers::handle(agent, peer, req),
+            Ok(req) => crate::api::dispatch::handle(agent, peer, req),
             Err(e) => {
                 tracing::warn!(uid = peer.uid, pid = peer.pid, error = %e, "malformed request refused");
                 Response::error(ErrorCode::BadRequest, format!("malformed request: {e}"))
