@@ -88,6 +88,18 @@ impl Agent {
             persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
         let gone = d.registry.reconcile(procfs::alive);
         d.tasks_left(&gone, crate::sys::now_ms());
+        // Standbys of tasks that are gone, or whose standby process is.
+        let live: std::collections::BTreeSet<_> = d
+            .registry
+            .tasks()
+            .map(|t| (t.job_id, t.step_id, t.pid))
+            .collect();
+        let stale = d.drop_standbys(|s| {
+            !live.contains(&s.task)
+                || s.armed
+                    .is_some_and(|a| !procfs::alive(a.standby.0, a.standby.1))
+        });
+        crate::api::standby::remove_fifos(&stale);
         for t in &gone {
             tracing::info!(
                 job = t.job_id,

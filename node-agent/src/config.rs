@@ -52,6 +52,30 @@ pub struct Config {
     pub sim: SimConfig,
     pub keeper: KeeperConfig,
     pub telemetry: TelemetryConfig,
+    pub standby: StandbyConfig,
+}
+
+/// Hot standbys (`--mps-standby`): a second incarnation of a resume-mode task, prepared in another
+/// fault domain of the GPU, released by the agent when a fault hits the task.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StandbyConfig {
+    /// Standbys per GPU at most (0: standbys refused). Each waiting standby holds its CUDA context
+    /// (~518 MiB of GPU memory measured on an H200 for a small CUDA program, 772-838 MiB for a
+    /// PyTorch one) plus what the application allocates before it waits.
+    pub max_per_gpu: u32,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for each standby while it waits and after it took over
+    /// (a client can only lower it), e.g. "8G"; empty: the job's own limit.
+    pub memory_limit: String,
+}
+
+impl Default for StandbyConfig {
+    fn default() -> Self {
+        StandbyConfig {
+            max_per_gpu: 8,
+            memory_limit: String::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -214,6 +238,9 @@ pub struct SimConfig {
     /// line names the culprit of an Xid 31, the fault kills as before) or `containment` (the
     /// culprit's MMU fault is contained: the line alone, nobody else notices).
     pub driver_patch: mpsr_simgpu::DriverPatch,
+    /// When a simulated fault shows: "measured" (an Xid 43 reported after ~14 ms, an Xid 31 after
+    /// ~100 ms, victims failing after ~150/125 ms, as on an H200) or "instant".
+    pub timing: mpsr_simgpu::FaultTiming,
     /// Time for a FAULT server to become ACTIVE after its last faulting client left (measured ~0.2 s).
     pub recovery_ms: u64,
 }
@@ -235,6 +262,7 @@ impl Default for Config {
             sim: SimConfig::default(),
             keeper: KeeperConfig::default(),
             telemetry: TelemetryConfig::default(),
+            standby: StandbyConfig::default(),
         }
     }
 }
@@ -331,6 +359,7 @@ impl Default for SimConfig {
         SimConfig {
             gpus: 2,
             driver_patch: mpsr_simgpu::DriverPatch::Off,
+            timing: mpsr_simgpu::FaultTiming::Measured,
             recovery_ms: 200,
         }
     }
@@ -455,6 +484,13 @@ impl Config {
             if v == 0 || v > 600_000 {
                 return Err(bad(key, format!("{v} is not in 1..=600000")));
             }
+        }
+        if !self.standby.memory_limit.is_empty() && parse_size(&self.standby.memory_limit).is_none()
+        {
+            return Err(bad(
+                "standby.memory_limit",
+                format!("'{}' is not a size like 8G", self.standby.memory_limit),
+            ));
         }
         if self.faults.victim_exit_before_ms > 10_000 {
             return Err(bad(

@@ -335,6 +335,10 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
     // SAFETY: plain kill(2) on our own child.
     unsafe { libc::kill(c1.id() as i32, libc::SIGSTOP) };
     e.inject(0, 43, None, None);
+    // The driver reports the fault ~14 ms after it (SIMULATED as measured): FAULT from then on.
+    e.wait_for("the server in FAULT", |e| {
+        matches!(e.call(&Request::Status), Ok(Response::Status(s)) if s.gpus[0].state == ServerState::Fault)
+    });
     let mut refused = e.client_raw(0);
     assert_eq!(
         exit_code(&mut refused, Duration::from_secs(5)),
@@ -2217,4 +2221,109 @@ fn journal_fields(mut b: &[u8]) -> std::collections::BTreeMap<String, String> {
         }
     }
     out
+}
+
+/// A resume-mode task under mpsr-run with a hot standby (`MPSR_STANDBY=1`, as `--mps-standby`
+/// sets it): the standby waits as an idle client of the GPU's standby domain; a fault in the
+/// shared server ends the primary and releases the standby at the decision, mpsr-run adopts it
+/// (no restart); the job's other neighbour is requeued as usual. Returns the env, mpsr-run and
+/// its stderr file.
+fn standby_task(e: &Env, job: u32) -> (Proc, PathBuf) {
+    let run = Path::new(env!("CARGO_BIN_EXE_mpsr-agent")).with_file_name("mpsr-run");
+    let err = e.path().join(format!("mpsr-run-{job}.err"));
+    // Registered (as slurmstepd does before the task execs) before mpsr-run asks for a standby.
+    let sup = Proc(
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "sleep 0.5; exec {} --backoff-ms 0 -- {} --seconds 60",
+                run.display(),
+                simclient().display()
+            ))
+            .env("SLURM_JOB_ID", job.to_string())
+            .env("SLURM_STEP_ID", "0")
+            .env("MPSR_SOCKET", e.sock())
+            .env("MPSR_STANDBY", "1")
+            .env("CUDA_MPS_PIPE_DIRECTORY", e.path().join("run/gpu0/pipe"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    e.register(job, sup.id(), &[0], Mode::Resume, false);
+    (sup, err)
+}
+
+fn standby_clients(e: &Env) -> Vec<u32> {
+    match e.call(&Request::Status).unwrap() {
+        Response::Status(s) => s.gpus[0]
+            .domains
+            .iter()
+            .filter(|d| !d.domain.is_shared())
+            .flat_map(|d| d.clients.clone())
+            .collect(),
+        r => panic!("{r:?}"),
+    }
+}
+
+#[test]
+fn a_hot_standby_takes_over_a_hit_task_without_a_restart() {
+    let e = Env::new("");
+    let (sup, err) = standby_task(&e, 51);
+    e.wait_for("the standby attached to the standby domain", |e| {
+        standby_clients(e).len() == 1
+    });
+    let standby = standby_clients(&e)[0];
+    let primary = e.client(0, 30.0, false); // a neighbour's job in the shared server
+    e.register(52, primary.id(), &[0], Mode::Requeue, true);
+    let killed = e.inject(0, 43, None, Some(0));
+    assert_eq!(
+        killed.len(),
+        2,
+        "the task's primary and the neighbour: {killed:?}"
+    );
+    e.wait_for("the takeover", |_| {
+        std::fs::read_to_string(&err).is_ok_and(|t| t.contains("took over"))
+    });
+    let text = std::fs::read_to_string(&err).unwrap();
+    assert!(!text.contains("restarting in place"), "{text}");
+    // The standby is the task's process now; it computes as a busy client of its server.
+    assert!(std::path::Path::new(&format!("/proc/{standby}")).exists());
+    let f = &e.events()[0];
+    assert!(
+        f.hit_jobs.contains(&51) && f.hit_jobs.contains(&52),
+        "{f:?}"
+    );
+    e.wait_for("the outcome line", |e| {
+        e.events()[0]
+            .outcome
+            .iter()
+            .any(|o| o.contains(&format!("standby pid {standby} took over task 51")))
+    });
+    e.wait_for("the neighbour requeued", |e| {
+        e.scontrol_log().contains("requeue 52")
+    });
+    assert!(!e.scontrol_log().contains("requeue 51"));
+    drop(sup);
+}
+
+#[test]
+fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
+    let e = Env::new("");
+    let (sup, err) = standby_task(&e, 53);
+    e.wait_for("the standby attached", |e| standby_clients(e).len() == 1);
+    let standby = standby_clients(&e)[0];
+    // SAFETY: kill(2) on a process of this test.
+    unsafe { libc::kill(standby as i32, libc::SIGKILL) };
+    e.wait_for("mpsr-run saw its standby end", |_| {
+        std::fs::read_to_string(&err).is_ok_and(|t| t.contains("ended before any fault"))
+    });
+    let neighbour = e.client(0, 30.0, false);
+    e.register(54, neighbour.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, Some(0));
+    e.wait_for("the restart in place", |_| {
+        std::fs::read_to_string(&err).is_ok_and(|t| t.contains("restarting in place"))
+    });
+    assert!(!std::fs::read_to_string(&err).unwrap().contains("took over"));
+    drop(sup);
 }

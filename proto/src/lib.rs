@@ -12,6 +12,7 @@ pub mod frame;
 pub mod keeper;
 mod peer;
 pub mod serve;
+pub mod standby;
 pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
@@ -263,6 +264,23 @@ pub enum Request {
         #[serde(default)]
         slot: Option<u32>,
     },
+    /// A resume supervisor (`pid`, the registered task or a process under it) wants a hot
+    /// standby for its task: where it may run (a fault domain other than the task's) and the
+    /// FIFO that releases it. Answered with `Standby`.
+    StandbyPrepare {
+        job_id: u32,
+        step_id: u32,
+        pid: u32,
+    },
+    /// The supervisor started the standby: the agent releases it when a fault hits the task, and
+    /// ends the primary first (two incarnations never both own the kept state).
+    StandbyArm {
+        job_id: u32,
+        step_id: u32,
+        pid: u32,
+        primary_pid: u32,
+        standby_pid: u32,
+    },
 }
 
 /// MPS server state as the agent sees it.
@@ -513,6 +531,9 @@ pub enum ResumeVerdict {
     Fail,
     /// The agent knows no fault that hit this task: its exit is its own.
     NotHit,
+    /// The task was hit and its hot standby took over (already running in another fault domain):
+    /// do not restart; the standby is the task's process from now on.
+    TakenOver,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -571,6 +592,15 @@ pub enum Response {
         killed: Vec<u32>,
     },
     TaskOf(TaskStatus),
+    /// Where a hot standby runs (its MPS context, in another fault domain than its task's) and
+    /// the FIFO it waits on (`standby::wait_release`).
+    Standby {
+        context: GpuContext,
+        release_fifo: String,
+        /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for the standby, in bytes (the admin's limit).
+        #[serde(default)]
+        mem_limit: Option<u64>,
+    },
     Error {
         code: ErrorCode,
         message: String,

@@ -9,8 +9,8 @@
 
 use crate::physics::{self, Reach};
 use crate::{
-    control_socket, gpu_pci, gpu_uuid, json, DomainId, DomainInfo, DriverPatch, SimEvent, SimReply,
-    SimRequest, SERVER_MEMORY_BYTES, SOCKET_NAME,
+    control_socket, gpu_pci, gpu_uuid, json, DomainId, DomainInfo, DriverPatch, FaultTiming,
+    SimEvent, SimReply, SimRequest, SERVER_MEMORY_BYTES, SOCKET_NAME,
 };
 use mpsr_proto::ServerState;
 use std::collections::BTreeMap;
@@ -81,6 +81,24 @@ impl Server {
     }
 }
 
+/// One injected fault, as it unfolds.
+struct Fault {
+    gpu: u32,
+    xid: u32,
+    /// The servers it faults.
+    slots: Vec<u32>,
+    lost: bool,
+    /// The GPU's first client (an Xid 31's kernel line names it, whoever faulted).
+    first_client: Option<u32>,
+}
+
+/// The victims get their CUDA error (a simulated client exits on it).
+fn tell_victims(victims: &[UnixStream], (code, msg): (u32, &str)) {
+    for v in victims {
+        let _ = writeln!(&*v, "FAULT {code} {msg}");
+    }
+}
+
 fn stamp() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -97,6 +115,7 @@ pub struct SimGpus {
     gpus: Vec<Mutex<Gpu>>,
     /// The driver patch's phase, for an Xid 31 with a known culprit.
     driver_patch: DriverPatch,
+    timing: FaultTiming,
     recovery: Duration,
     run_dir: PathBuf,
     next_conn: AtomicU64,
@@ -113,7 +132,13 @@ fn peer(s: &UnixStream) -> Option<mpsr_proto::PeerCred> {
 }
 
 impl SimGpus {
-    pub fn new(n: u32, run_dir: &Path, driver_patch: DriverPatch, recovery_ms: u64) -> SimGpus {
+    pub fn new(
+        n: u32,
+        run_dir: &Path,
+        driver_patch: DriverPatch,
+        timing: FaultTiming,
+        recovery_ms: u64,
+    ) -> SimGpus {
         SimGpus {
             gpus: (0..n)
                 .map(|_| {
@@ -124,6 +149,7 @@ impl SimGpus {
                 })
                 .collect(),
             driver_patch,
+            timing,
             recovery: Duration::from_millis(recovery_ms),
             run_dir: run_dir.to_path_buf(),
             next_conn: AtomicU64::new(0),
@@ -435,8 +461,8 @@ impl SimGpus {
             return;
         };
         s.clients.retain(|c| c.conn != conn);
-        if let Some(pos) = s.faulted.iter().position(|c| *c == conn) {
-            s.faulted.remove(pos);
+        if s.faulted.contains(&conn) {
+            s.faulted.retain(|c| *c != conn);
             if s.faulted.is_empty() && s.state == ServerState::Fault {
                 s.recover_at = Some(Instant::now() + self.recovery);
             }
@@ -479,7 +505,7 @@ impl SimGpus {
 
     /// Faults one server (or all, by reach) and returns the pids of the clients killed at once.
     fn inject(
-        &self,
+        self: &Arc<Self>,
         gpu: u32,
         xid: u32,
         culprit: Option<u32>,
@@ -505,7 +531,7 @@ impl SimGpus {
                 return Ok(Vec::new());
             }
         }
-        let mut g = lock(self.gpu(gpu)?);
+        let g = lock(self.gpu(gpu)?);
         // The server the faulting work ran in.
         let origin = slot
             .or_else(|| {
@@ -526,24 +552,73 @@ impl SimGpus {
             .flat_map(|s| s.clients.iter())
             .min_by_key(|c| c.conn)
             .map(|c| c.pid);
-        let (code, msg) = effect.cuda;
-        let mut killed = Vec::new();
         let lost = effect.reach == Reach::Lost;
-        for (k, s) in g.servers.iter_mut() {
-            let faults = match effect.reach {
+        let slots: Vec<u32> = g
+            .servers
+            .keys()
+            .copied()
+            .filter(|k| match effect.reach {
                 Reach::Nobody => false,
                 Reach::Server => *k == origin,
                 Reach::Gpu | Reach::Lost => true,
-            };
-            if !faults {
-                continue;
+            })
+            .collect();
+        // Who the fault kills: the busy clients of its servers (every client of a lost GPU).
+        let killed: Vec<u32> = slots
+            .iter()
+            .filter_map(|k| g.servers.get(k))
+            .flat_map(|s| s.clients.iter())
+            .filter(|c| c.busy || lost)
+            .map(|c| c.pid)
+            .collect();
+        drop(g);
+        let fault = Fault {
+            gpu,
+            xid,
+            slots,
+            lost,
+            first_client,
+        };
+        match self.timing {
+            FaultTiming::Instant => {
+                self.strike(&fault, true);
+                self.report(&fault);
             }
+            FaultTiming::Measured => {
+                let t = physics::timing(xid);
+                let me = self.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(t.report_ms));
+                    let victims = me.strike(&fault, false);
+                    me.report(&fault);
+                    std::thread::sleep(Duration::from_millis(
+                        t.victims_ms.saturating_sub(t.report_ms),
+                    ));
+                    tell_victims(&victims, physics::effect(fault.xid).cuda);
+                });
+            }
+        }
+        Ok(killed)
+    }
+
+    /// The fault hits its servers: each goes to FAULT with its clients poisoned (the server.log
+    /// lines are written); the victims' streams are returned, or told at once with `now`.
+    fn strike(&self, f: &Fault, now: bool) -> Vec<UnixStream> {
+        let effect = physics::effect(f.xid);
+        let Ok(m) = self.gpu(f.gpu) else {
+            return Vec::new();
+        };
+        let mut g = lock(m);
+        let mut victims = Vec::new();
+        for k in &f.slots {
+            let Some(s) = g.servers.get_mut(k) else {
+                continue;
+            };
             let mut poisoned = Vec::new();
             for c in &s.clients {
                 poisoned.push(c.conn);
-                if c.busy || lost {
-                    let _ = writeln!(&c.stream, "FAULT {code} {msg}");
-                    killed.push(c.pid);
+                if c.busy || f.lost {
+                    victims.extend(c.stream.try_clone().ok());
                 }
                 s.log(
                     "server.log",
@@ -561,6 +636,8 @@ impl SimGpus {
                     std::process::id()
                 ),
             );
+            // A client poisoned by an earlier fault that it has not died of yet is one client.
+            poisoned.retain(|c| !s.faulted.contains(c));
             s.faulted.extend(poisoned);
             s.state = ServerState::Fault;
             s.recover_at = if s.faulted.is_empty() {
@@ -569,11 +646,22 @@ impl SimGpus {
                 None
             };
         }
-        if lost {
+        if f.lost {
             g.lost = true;
         }
         drop(g);
+        if now {
+            tell_victims(&victims, effect.cuda);
+            return Vec::new();
+        }
+        victims
+    }
 
+    /// The driver's report of a fault: the NVML-like event and the kernel lines.
+    fn report(&self, f: &Fault) {
+        let effect = physics::effect(f.xid);
+        let (gpu, xid) = (f.gpu, f.xid);
+        let pci = gpu_pci(gpu);
         // The NVML-like event: an Xid and a device, never a pid. A misaligned store reports 43 there.
         let nvml_xid = if xid == 13 { 43 } else { xid };
         self.emit(SimEvent::Nvml { gpu, xid: nvml_xid });
@@ -582,7 +670,7 @@ impl SimGpus {
         let unknown = "'<unknown>'".to_string();
         let (pid, name) = match xid {
             31 => (
-                first_client.map(|p| p.to_string()).unwrap_or(unknown),
+                f.first_client.map(|p| p.to_string()).unwrap_or(unknown),
                 "simclient",
             ),
             43 => (server_pid.to_string(), "nvidia-cuda-mps"),
@@ -605,7 +693,6 @@ impl SimGpus {
                 "NVRM: Xid (PCI:{pci}): 43, pid={server_pid}, name=nvidia-cuda-mps, channel 0x0000000a (simulated)"
             ));
         }
-        Ok(killed)
     }
 
     fn shutdown(&self) {

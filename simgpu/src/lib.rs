@@ -50,6 +50,27 @@ impl DriverPatch {
     }
 }
 
+/// When a simulated fault shows (`physics::timing`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultTiming {
+    /// As measured on an H200: the driver reports an Xid 43 after ~14 ms and an Xid 31 after
+    /// ~100 ms; the victims get their CUDA error after ~150 ms and ~125 ms.
+    #[default]
+    Measured,
+    /// Everything at the injection (victims first, then the reports).
+    Instant,
+}
+
+impl FaultTiming {
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultTiming::Measured => "measured",
+            FaultTiming::Instant => "instant",
+        }
+    }
+}
+
 /// The socket a simulated client finds in its `CUDA_MPS_PIPE_DIRECTORY`.
 pub const SOCKET_NAME: &str = "mpsr-sim.sock";
 

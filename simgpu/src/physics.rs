@@ -56,6 +56,34 @@ const UNLISTED: Effect = Effect {
     kernel_text: "unlisted Xid",
 };
 
+/// When a fault shows, after the faulting kernel's launch: the driver's report (the kernel's Xid
+/// record, the NVML event, the server's fatal-error line, the server in FAULT) and the victims'
+/// CUDA error. Measured on an H200 (KNOWLEDGE.md, 3 repetitions each): Xid 31 reported after
+/// 88-126 ms, victims' error 108-146 ms; Xid 43 reported after 13.6-16.1 ms (server.log 11-12 ms),
+/// victims' error 92-346 ms. The hardware classes were not measured: reported at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    pub report_ms: u64,
+    pub victims_ms: u64,
+}
+
+pub fn timing(xid: u32) -> Timing {
+    match xid {
+        31 => Timing {
+            report_ms: 100,
+            victims_ms: 125,
+        },
+        13 | 43 | 45 | 68 | 109 => Timing {
+            report_ms: 14,
+            victims_ms: 150,
+        },
+        _ => Timing {
+            report_ms: 0,
+            victims_ms: 0,
+        },
+    }
+}
+
 /// The effect of an Xid; one not in the table kills nobody (it is still reported).
 pub fn effect(xid: u32) -> &'static Effect {
     TABLE.iter().find(|e| e.xid == xid).unwrap_or(&UNLISTED)

@@ -1,6 +1,7 @@
 //! The plugin's options: one table, one callback, values parsed and validated here.
 //!
-//! `--mps-resilient[=MODE]`, `--mps-threads=PCT`, `--mps-mem=SIZE`, `--mps-isolation=KIND`. Bad values are refused in
+//! `--mps-resilient[=MODE]`, `--mps-threads=PCT`, `--mps-mem=SIZE`, `--mps-isolation=KIND`,
+//! `--mps-standby`. Bad values are refused in
 //! srun/sbatch (the callback returns -1, so the command exits non-zero with the message).
 
 use crate::sys::{ffi, OptionEntry};
@@ -12,8 +13,9 @@ pub const OPT_MODE: c_int = 0;
 pub const OPT_THREADS: c_int = 1;
 pub const OPT_MEM: c_int = 2;
 pub const OPT_ISOLATION: c_int = 3;
+pub const OPT_STANDBY: c_int = 4;
 
-pub static OPTIONS: [OptionEntry; 4] = [
+pub static OPTIONS: [OptionEntry; 5] = [
     OptionEntry::new(
         c"mps-resilient",
         Some(c"MODE"),
@@ -46,6 +48,14 @@ pub static OPTIONS: [OptionEntry; 4] = [
         OPT_ISOLATION,
         Some(option_cb),
     ),
+    OptionEntry::new(
+        c"mps-standby",
+        None,
+        c"[mps-resilient] with --mps-resilient=resume: keep a hot standby of each task in another MPS server (mpsr-run starts it; the application waits in mpsr_state_ready()). When a GPU fault hits the task, the standby takes over at once instead of a restart. Costs the GPU memory of a second CUDA context per task.",
+        0,
+        OPT_STANDBY,
+        Some(option_cb),
+    ),
 ];
 
 /// What the user asked for.
@@ -56,6 +66,8 @@ pub struct OptValues {
     pub threads: Option<u8>,
     pub mem: Option<u64>,
     pub isolation: Option<Isolation>,
+    /// `--mps-standby`: a hot standby per task (resume mode).
+    pub standby: bool,
 }
 
 impl OptValues {
@@ -70,9 +82,19 @@ impl OptValues {
     /// Limits without the main flag are a mistake worth telling the user about.
     pub fn check(&self) -> Result<(), String> {
         if self.mode.is_none()
-            && (self.threads.is_some() || self.mem.is_some() || self.isolation.is_some())
+            && (self.threads.is_some()
+                || self.mem.is_some()
+                || self.isolation.is_some()
+                || self.standby)
         {
-            return Err("--mps-threads/--mps-mem/--mps-isolation need --mps-resilient".into());
+            return Err(
+                "--mps-threads/--mps-mem/--mps-isolation/--mps-standby need --mps-resilient".into(),
+            );
+        }
+        if self.standby && matches!(self.mode, Some(Some(m)) if m != Mode::Resume) {
+            return Err(
+                "--mps-standby needs --mps-resilient=resume (a standby takes over in place)".into(),
+            );
         }
         Ok(())
     }
@@ -98,6 +120,7 @@ impl OptValues {
             OPT_THREADS => self.threads = Some(parse_threads(arg.unwrap_or(""))?),
             OPT_MEM => self.mem = Some(parse_mem(arg.unwrap_or(""))?),
             OPT_ISOLATION => self.isolation = Some(parse_isolation(arg.unwrap_or(""))?),
+            OPT_STANDBY => self.standby = true,
             other => return Err(format!("unknown option index {other}")),
         }
         Ok(())
@@ -134,6 +157,7 @@ pub static SEEN: Mutex<OptValues> = Mutex::new(OptValues {
     threads: None,
     mem: None,
     isolation: None,
+    standby: false,
 });
 
 pub fn seen() -> OptValues {
@@ -197,6 +221,24 @@ mod tests {
         assert_eq!(v.threads, Some(30));
         assert_eq!(v.mem, Some(8 << 30));
         v.check().unwrap();
+    }
+
+    #[test]
+    fn a_standby_needs_resume_mode() {
+        let mut v = OptValues::default();
+        v.apply(OPT_STANDBY, None).unwrap();
+        assert!(v.check().unwrap_err().contains("need --mps-resilient"));
+        v.apply(OPT_MODE, Some("requeue")).unwrap();
+        assert!(v.check().unwrap_err().contains("--mps-resilient=resume"));
+        let mut v = OptValues::default();
+        v.apply(OPT_MODE, Some("resume")).unwrap();
+        v.apply(OPT_STANDBY, None).unwrap();
+        assert!(v.check().is_ok() && v.standby);
+        // The admin's default mode is checked on the node (a warning there, not a refusal).
+        let mut v = OptValues::default();
+        v.apply(OPT_MODE, None).unwrap();
+        v.apply(OPT_STANDBY, None).unwrap();
+        assert!(v.check().is_ok());
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use crate::agent::{self, AgentError};
 use crate::config::{self, PlugConfig};
 use crate::gpus;
-use crate::options::{self, OptValues, OPT_ISOLATION, OPT_MEM, OPT_MODE, OPT_THREADS};
+use crate::options::{self, OptValues, OPT_ISOLATION, OPT_MEM, OPT_MODE, OPT_STANDBY, OPT_THREADS};
 use crate::sys::{self, Spank};
 use mpsr_proto::{ErrorCode, GpuContext, Isolation, Mode, Registration, BATCH_STEP};
 use std::sync::Mutex;
@@ -36,6 +36,8 @@ struct Protected {
     threads: Option<u8>,
     mem: Option<u64>,
     isolation: Option<Isolation>,
+    /// `--mps-standby` (resume mode): mpsr-run keeps a hot standby of each task.
+    standby: bool,
 }
 
 #[derive(Debug, Default)]
@@ -74,7 +76,7 @@ pub fn init(sp: Spank, args: &[String]) -> i32 {
 /// The options as given to this job (slurmstepd learns them from srun/sbatch).
 fn job_options(sp: Spank) -> Result<OptValues, String> {
     let mut v = OptValues::default();
-    for val in [OPT_MODE, OPT_THREADS, OPT_MEM, OPT_ISOLATION] {
+    for val in [OPT_MODE, OPT_THREADS, OPT_MEM, OPT_ISOLATION, OPT_STANDBY] {
         match sp.getopt(options::entry(val)) {
             Ok(Some(arg)) => v.apply(val, arg.as_deref())?,
             Ok(None) => {}
@@ -192,7 +194,13 @@ pub fn user_init(sp: Spank) {
         threads: opts.threads,
         mem: opts.mem,
         isolation: opts.isolation.or(cfg_isolation),
+        standby: opts.standby && mode == Mode::Resume,
     });
+    if opts.standby && mode != Mode::Resume {
+        st.warning = Some(format!(
+            "note: --mps-standby works in resume mode only; this job's mode is {mode}: no standby"
+        ));
+    }
 }
 
 /// Slurm's restart count of this run of the job. The SPANK item reads 0 in the batch step of a
@@ -269,6 +277,9 @@ pub fn task_init_privileged(sp: Spank) {
     ];
     if let Some(k) = &ctx.keeper_socket {
         env.push(("MPSR_KEEPER_SOCKET", k.clone()));
+    }
+    if p.standby {
+        env.push((mpsr_proto::standby::WANTED_ENV, "1".to_string()));
     }
     if let Some(t) = p.threads {
         env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", t.to_string()));

@@ -36,6 +36,15 @@ int mpsr_state_detach(const char *name);
 int mpsr_state_checkpoint(const char *name);
 /* Frees it for good (keeper memory and snapshot). */
 int mpsr_state_release(const char *name);
+/* Hot standby (srun --mps-resilient=resume --mps-standby): returns 0 at once in the task's
+ * primary process. In its standby (the same program, started by mpsr-run in another MPS server)
+ * it blocks until a GPU fault hits the task, then returns 1: the standby is the task from then on.
+ * Call it once everything that can be prepared is (imports, CUDA context, model built, kept state
+ * attached, one warm-up step: the first kernel after it must not load modules). Negative on error
+ * (a standby that cannot wait should exit). Kept state attached before the wait is the primary's
+ * memory as the fault left it: a write the fault interrupted may be half done (use read-only
+ * state, or write a generation counter last and check it after the takeover). */
+int mpsr_state_ready(void);
 /* This thread's last error message. */
 const char *mpsr_state_last_error(void);
 

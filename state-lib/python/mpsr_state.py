@@ -38,6 +38,8 @@ def _load():
             getattr(lib, f).argtypes = [ctypes.c_char_p]
             getattr(lib, f).restype = ctypes.c_int
         lib.mpsr_state_last_error.restype = ctypes.c_char_p
+        lib.mpsr_state_ready.argtypes = []
+        lib.mpsr_state_ready.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -52,6 +54,16 @@ def attach(name, nbytes):
     ptr, restored = ctypes.c_void_p(), ctypes.c_int()
     _check(_load().mpsr_state_attach(name.encode(), nbytes, ctypes.byref(ptr), ctypes.byref(restored)))
     return ptr.value, ORIGINS.get(restored.value, "new")
+
+
+def ready():
+    """Hot standby: returns "primary" at once in the task's primary process; in its standby, blocks
+    until a GPU fault hits the task and returns "takeover". Call it after the warm-up (imports,
+    model built, kept state attached, one forward pass)."""
+    rc = _load().mpsr_state_ready()
+    if rc < 0:
+        _check(rc)
+    return "takeover" if rc == 1 else "primary"
 
 
 def detach(name):

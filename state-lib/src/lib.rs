@@ -409,6 +409,18 @@ pub unsafe extern "C" fn mpsr_state_release(name: *const c_char) -> c_int {
     guarded(|| release(&unsafe { name_arg(name) }?))
 }
 
+/// See mpsr_state.h: 0 in a primary (at once), 1 in a standby once it took over, or an error.
+#[no_mangle]
+pub extern "C" fn mpsr_state_ready() -> c_int {
+    let r = std::panic::catch_unwind(mpsr_proto::standby::ready);
+    match r {
+        Ok(Ok(mpsr_proto::standby::Ready::Primary)) => 0,
+        Ok(Ok(mpsr_proto::standby::Ready::TookOver)) => 1,
+        Ok(Err(e)) => fail(StateError::Unavailable(format!("standby release: {e}"))),
+        Err(_) => fail(StateError::Protocol("internal error (a bug)".into())),
+    }
+}
+
 /// The message of this thread's last error ("" if none). Valid until the next call on the thread.
 #[no_mangle]
 pub extern "C" fn mpsr_state_last_error() -> *const c_char {

@@ -5,8 +5,13 @@
 //! the GPU's MPS server is ACTIVE again and restarts the child in place (same task, same pid for
 //! Slurm); a culprit, a lost GPU, or a failure the agent knows nothing of ends the task with the
 //! child's status. Signals are forwarded to the child and stop further restarts.
+//!
+//! With a hot standby (`--mps-standby`: MPSR_STANDBY=1), it also runs a second incarnation of the
+//! command in another fault domain (MPSR_ROLE=standby), which prepares itself and waits in
+//! `mpsr_state_ready()`; when a fault hits the task, the agent ends the primary and releases the
+//! standby, which becomes the task's process (no restart, no wait for the server's recovery).
 
-use mpsr_proto::{Client, Request, Response, ResumeVerdict, BATCH_STEP};
+use mpsr_proto::{standby, Client, Request, Response, ResumeVerdict, BATCH_STEP};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -75,6 +80,8 @@ fn task_from_env() -> Option<TaskId> {
 }
 
 static CHILD: AtomicI32 = AtomicI32::new(0);
+/// The hot standby, if any: termination signals reach it too.
+static STANDBY: AtomicI32 = AtomicI32::new(0);
 static STOPPING: AtomicI32 = AtomicI32::new(0);
 
 /// Forwards termination signals to the child; a forwarded signal means "do not restart".
@@ -107,10 +114,11 @@ fn forward_signals() {
         if sig != libc::SIGUSR1 && sig != libc::SIGUSR2 {
             STOPPING.store(sig, Ordering::SeqCst);
         }
-        let child = CHILD.load(Ordering::SeqCst);
-        if child > 0 {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe { libc::kill(child, sig) };
+        for child in [CHILD.load(Ordering::SeqCst), STANDBY.load(Ordering::SeqCst)] {
+            if child > 0 {
+                // SAFETY: plain kill(2) on our own child's pid.
+                unsafe { libc::kill(child, sig) };
+            }
         }
     });
 }
@@ -124,11 +132,15 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
     }
 }
 
-/// Asks the agent what to do about this task's failed child.
-fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
+fn agent() -> Client {
     let socket =
         std::env::var("MPSR_SOCKET").unwrap_or_else(|_| "/run/mps-resilient/agent.sock".into());
-    let client = Client::new(&socket, Duration::from_secs(2));
+    Client::new(&socket, Duration::from_secs(2))
+}
+
+/// Asks the agent what to do about this task's failed child.
+fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
+    let client = agent();
     let req = Request::ResumeQuery {
         job_id: t.job,
         step_id: t.step,
@@ -139,7 +151,9 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
     loop {
         match client.call(&req) {
             Ok(Response::Resume { verdict, reason }) => match verdict {
-                ResumeVerdict::Restart | ResumeVerdict::Fail => return (verdict, reason),
+                ResumeVerdict::Restart | ResumeVerdict::Fail | ResumeVerdict::TakenOver => {
+                    return (verdict, reason)
+                }
                 // The fault may not have reached the agent yet: give it the settle time.
                 ResumeVerdict::NotHit if Instant::now() >= settle_until => {
                     return (verdict, reason)
@@ -166,6 +180,104 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
     }
 }
 
+/// Starts one incarnation of the command: the primary (in the task's own MPS context), or with
+/// `env` a standby's.
+fn spawn(o: &Opts, restarts: u32, env: &[(&str, String)]) -> std::io::Result<u32> {
+    let mut cmd = Command::new(&o.cmd[0]);
+    cmd.args(&o.cmd[1..])
+        .env("MPSR_RESTARTS", restarts.to_string())
+        .env(standby::ROLE_ENV, "primary");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // SAFETY: only sigemptyset/sigprocmask (async-signal-safe) between fork and exec. The
+    // forwarded signals are blocked here (sigwait); the application must get them.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+    // Reaped by `wait_any`, not through the Child.
+    cmd.spawn().map(|c| c.id())
+}
+
+/// Starts a hot standby of the command in the fault domain the agent gives it, and arms it.
+fn start_standby(o: &Opts, t: TaskId, restarts: u32, primary: u32) -> Result<u32, String> {
+    let c = agent();
+    let me = std::process::id();
+    let (ctx, fifo, mem) = match c.call(&Request::StandbyPrepare {
+        job_id: t.job,
+        step_id: t.step,
+        pid: me,
+    }) {
+        Ok(Response::Standby {
+            context,
+            release_fifo,
+            mem_limit,
+        }) => (context, release_fifo, mem_limit),
+        Ok(Response::Error { message, .. }) => return Err(message),
+        Ok(other) => return Err(format!("unexpected reply {other:?}")),
+        Err(e) => return Err(e.to_string()),
+    };
+    let mut env = vec![
+        ("CUDA_MPS_PIPE_DIRECTORY", ctx.pipe_dir.clone()),
+        ("CUDA_MPS_LOG_DIRECTORY", ctx.log_dir.clone()),
+        ("MPSR_DOMAIN", ctx.domain.to_string()),
+        (standby::ROLE_ENV, "standby".to_string()),
+        (standby::FIFO_ENV, fifo),
+    ];
+    if let Some(bytes) = mem {
+        env.push((
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+            format!("0={}M", (bytes >> 20).max(1)),
+        ));
+    }
+    let pid = spawn(o, restarts, &env).map_err(|e| format!("cannot start it: {e}"))?;
+    match c.call(&Request::StandbyArm {
+        job_id: t.job,
+        step_id: t.step,
+        pid: me,
+        primary_pid: primary,
+        standby_pid: pid,
+    }) {
+        Ok(Response::Ok) => Ok(pid),
+        r => {
+            kill(pid, libc::SIGKILL);
+            let why = match r {
+                Ok(Response::Error { message, .. }) => message,
+                Ok(other) => format!("unexpected reply {other:?}"),
+                Err(e) => e.to_string(),
+            };
+            Err(format!("the agent did not arm it: {why}"))
+        }
+    }
+}
+
+fn kill(pid: u32, sig: libc::c_int) {
+    // SAFETY: plain kill(2) on one of our own children.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// Waits for any child; its pid and status.
+fn wait_any() -> std::io::Result<(u32, std::process::ExitStatus)> {
+    use std::os::unix::process::ExitStatusExt;
+    loop {
+        let mut st: libc::c_int = 0;
+        // SAFETY: st is a valid out-parameter.
+        let pid = unsafe { libc::waitpid(-1, &mut st, 0) };
+        if pid > 0 {
+            return Ok((pid as u32, std::process::ExitStatus::from_raw(st)));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     mpsr_manpage::print_if_asked(<Opts as clap::CommandFactory>::command());
     // clap prints usage errors (exit 2) and --help/--version (exit 0) itself.
@@ -174,47 +286,73 @@ fn main() -> ExitCode {
     if task.is_none() {
         eprintln!("mpsr-run: not inside a Slurm job (no SLURM_JOB_ID): running without resume");
     }
+    // `--mps-standby` (the plugin sets MPSR_STANDBY=1): keep a hot standby of the command.
+    let mut standby_wanted =
+        task.is_some() && std::env::var(standby::WANTED_ENV).as_deref() == Ok("1");
     forward_signals();
     let mut restarts = 0u32;
+    let mut primary: Option<u32> = None;
+    let mut standby: Option<u32> = None;
     loop {
         let started = Instant::now();
-        let mut cmd = Command::new(&o.cmd[0]);
-        cmd.args(&o.cmd[1..])
-            .env("MPSR_RESTARTS", restarts.to_string());
-        // SAFETY: only sigemptyset/sigprocmask (async-signal-safe) between fork and exec. The
-        // forwarded signals are blocked here (sigwait); the application must get them.
-        unsafe {
-            cmd.pre_exec(|| {
-                let mut set: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut set);
-                libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
-                Ok(())
-            });
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);
-                return ExitCode::from(127);
-            }
+        let p = match primary {
+            Some(p) => p,
+            None => match spawn(&o, restarts, &[]) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);
+                    return ExitCode::from(127);
+                }
+            },
         };
-        CHILD.store(child.id() as i32, Ordering::SeqCst);
+        primary = Some(p);
+        CHILD.store(p as i32, Ordering::SeqCst);
+        if let (true, None, Some(t)) = (standby_wanted, standby, task) {
+            match start_standby(&o, t, restarts, p) {
+                Ok(s) => standby = Some(s),
+                Err(e) => {
+                    eprintln!("mpsr-run: no hot standby ({e}); a fault restarts the task instead");
+                    standby_wanted = false;
+                }
+            }
+        }
+        STANDBY.store(standby.map_or(0, |s| s as i32), Ordering::SeqCst);
         // A stop signal that came before CHILD was set was not forwarded: forward it now.
         let pending = STOPPING.load(Ordering::SeqCst);
         if pending != 0 {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe { libc::kill(child.id() as i32, pending) };
+            kill(p, pending);
+            standby.inspect(|s| kill(*s, pending));
         }
-        let status = match child.wait() {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("mpsr-run: waiting for {}: {e}", o.cmd[0]);
-                return ExitCode::from(1);
+        let status = loop {
+            match wait_any() {
+                Ok((pid, st)) if Some(pid) == primary => break st,
+                Ok((pid, st)) if Some(pid) == standby => {
+                    eprintln!(
+                        "mpsr-run: the hot standby (pid {pid}) ended before any fault (status {}); a fault restarts the task instead",
+                        exit_code(st)
+                    );
+                    standby = None;
+                    standby_wanted = false;
+                    STANDBY.store(0, Ordering::SeqCst);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    eprintln!("mpsr-run: waiting for {}: {e}", o.cmd[0]);
+                    return ExitCode::from(1);
+                }
             }
         };
+        primary = None;
         CHILD.store(0, Ordering::SeqCst);
         let code = exit_code(status);
+        let end_standby = |standby: Option<u32>| {
+            if let Some(s) = standby {
+                kill(s, libc::SIGKILL);
+                let _ = wait_any();
+            }
+        };
         if status.success() || STOPPING.load(Ordering::SeqCst) != 0 {
+            end_standby(standby);
             return ExitCode::from(code);
         }
         let Some(t) = task else {
@@ -222,7 +360,15 @@ fn main() -> ExitCode {
         };
         let (v, reason) = verdict(&o, t);
         match v {
+            ResumeVerdict::TakenOver => {
+                // The standby is the task's process now; a new standby is prepared for it.
+                primary = standby.take();
+                eprintln!(
+                    "mpsr-run: a GPU fault hit the task ({reason}); its hot standby took over"
+                );
+            }
             ResumeVerdict::Restart if restarts < o.max_restarts => {
+                end_standby(standby.take());
                 restarts += 1;
                 let backoff = o.backoff * 2u32.saturating_pow(restarts - 1).min(64);
                 eprintln!(
@@ -233,6 +379,7 @@ fn main() -> ExitCode {
                 std::thread::sleep(backoff);
             }
             ResumeVerdict::Restart => {
+                end_standby(standby);
                 eprintln!(
                     "mpsr-run: {reason}, but the restart limit ({}) is reached; exiting with status {code}",
                     o.max_restarts
@@ -240,10 +387,12 @@ fn main() -> ExitCode {
                 return ExitCode::from(code);
             }
             ResumeVerdict::Fail => {
+                end_standby(standby);
                 eprintln!("mpsr-run: not restarting: {reason}; exiting with status {code}");
                 return ExitCode::from(code);
             }
             ResumeVerdict::Wait | ResumeVerdict::NotHit => {
+                end_standby(standby);
                 // Its own failure, not a GPU fault of someone else's: nothing to resume.
                 return ExitCode::from(code);
             }

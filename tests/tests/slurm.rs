@@ -1014,3 +1014,76 @@ fn a_quarantined_job_with_no_domain_free_runs_shared_instead_of_failing() {
     assert_eq!(c.job_field(a, "JobState"), "RUNNING", "A untouched");
     assert_eq!(c.job_field(a, "Restarts"), "0");
 }
+
+/// A hot standby on real Slurm (`--mps-resilient=resume --mps-standby`): mpsr-run runs the task
+/// and a standby of it in the GPU's standby domain; the standby attaches the task's kept state and
+/// waits. A fault in the shared server hits the task and a neighbour's batch job: the standby
+/// takes over at the decision (no restart: same job and step, Restarts=0, the kept state as the
+/// primary left it), the neighbour is requeued, and the step completes.
+#[test]
+fn a_hot_standby_takes_over_a_hit_srun_task() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let out = c.jobs().join("srun-standby.out");
+    let app = "if [ \"$MPSR_ROLE\" = standby ]; then mpsr-statetool model 8M --ready --verify 9 || exit 1; \
+               else mpsr-statetool model 8M --fill 9 || exit 1; fi; \
+               MPSR_ROLE=primary exec mpsr-simclient --seconds $([ \"$MPSR_ROLE\" = standby ] && echo 2 || echo 120)";
+    let mut srun = c
+        .spawn_as(
+            "nobody",
+            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume --mps-standby mpsr-run -- sh -c '{app}'"),
+            &out,
+        )
+        .unwrap();
+    let job = wait_for("srun job registered", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        s.tasks.first().map(|t| t.job_id)
+    })
+    .unwrap();
+    let gpu = c.agent_status("n1").unwrap().tasks[0].gpus[0];
+    // The standby waits in a domain of its own kind: the GPU's standby domain, not the shared one.
+    wait_for("the standby prepared in the standby domain", SHORT, || {
+        let text = std::fs::read_to_string(&out).ok()?;
+        let s = c.agent_status("n1").ok()?;
+        let g = s.gpus.iter().find(|g| g.gpu == gpu)?;
+        let waiting = g
+            .domains
+            .iter()
+            .any(|d| d.tenancy == "standby" && !d.domain.is_shared());
+        (waiting && text.matches("origin=").count() >= 2).then_some(())
+    })
+    .unwrap();
+    let neighbour = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(neighbour, &["RUNNING"], SHORT).unwrap();
+    assert_eq!(c.wait_registered("n1", neighbour, 1).unwrap(), vec![gpu]);
+    wait_for("both clients busy in the shared server", SHORT, || {
+        (c.clients("n1", gpu).len() == 2).then_some(())
+    })
+    .unwrap();
+    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
+    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(status.success(), "srun failed: {text}");
+    assert!(text.contains("its hot standby took over"), "{text}");
+    assert!(!text.contains("restarting in place"), "{text}");
+    assert!(
+        text.contains("ready: took over")
+            && text.contains("origin=Kept")
+            && text.contains("verified model: every byte is 9"),
+        "the standby found the kept state as the primary left it: {text}"
+    );
+    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
+    assert_eq!(c.job_field(job, "Restarts"), "0");
+    wait_for("the neighbour requeued", LONG, || {
+        (c.job_field(neighbour, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    assert!(not_drained(&c, "n1"));
+}

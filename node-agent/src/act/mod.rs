@@ -1,12 +1,14 @@
 //! What is done about a decided fault, outside the fault core. What enters: the actions the core
 //! recorded in the state (queued Slurm actions, servers to watch, resume verdicts). What leaves:
-//! Slurm calls, killed clients, verdicts for `mpsr-run`, kept GPU state freed or kept.
+//! Slurm calls, killed clients, released standbys, verdicts for `mpsr-run`, kept GPU state freed or kept.
 //!
 //! - `slurm`: requeue and drain through `scontrol`.
 //! - `recovery`: hit servers watched back to ACTIVE (hit clients ended), healed GPUs cleared,
 //!   resume verdicts.
+//! - `takeover`: a hit task's hot standby released, its old incarnation ended.
 //! - `keepers`: the per-GPU state keeper processes.
 
 pub mod keepers;
 pub mod recovery;
 pub mod slurm;
+mod takeover;

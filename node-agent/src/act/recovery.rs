@@ -11,7 +11,7 @@
 
 use crate::agent::Agent;
 use crate::fault::classify::FaultClass;
-use crate::store::state::State;
+use crate::store::state::{State, Takeover};
 use crate::sys::procfs;
 use mpsr_proto::{DomainId, ResumeVerdict, ServerState};
 use std::sync::Arc;
@@ -206,6 +206,24 @@ impl Agent {
         };
         if let Some(why) = e.fail {
             return done(ResumeVerdict::Fail, why);
+        }
+        match e.takeover {
+            Some(Takeover::Releasing(pid)) => {
+                return (
+                    ResumeVerdict::Wait,
+                    format!(
+                        "hit by fault {}; standby pid {pid} being released",
+                        e.fault_id
+                    ),
+                )
+            }
+            Some(Takeover::Released(pid)) => {
+                return done(
+                    ResumeVerdict::TakenOver,
+                    format!("hit by fault {}; standby pid {pid} took over", e.fault_id),
+                )
+            }
+            Some(Takeover::Unavailable) | None => {}
         }
         let domain = e.domain();
         match self.backend.server_state(domain) {

@@ -3,7 +3,7 @@
 //! runs; the others are open to every local user, and their handlers show or touch only the
 //! caller's own jobs (the owner as Slurm reported it, `Durable::owner_of`).
 
-use super::{admin, jobs, tasks, views};
+use super::{admin, jobs, standby, tasks, views};
 use crate::agent::Agent;
 use mpsr_proto::{ErrorCode, PeerCred, Request, Response};
 
@@ -43,6 +43,8 @@ fn access(req: &Request) -> Access {
         | Request::Register(_)
         | Request::Deregister { .. }
         | Request::ResumeQuery { .. }
+        | Request::StandbyPrepare { .. }
+        | Request::StandbyArm { .. }
         | Request::JobReport { .. }
         | Request::Events { .. }
         | Request::Telemetry
@@ -77,6 +79,24 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             pid,
         } => tasks::resume_query(agent, caller, (job_id, step_id, pid)),
         Request::TaskOf { pid } => tasks::task_of(agent, pid),
+        Request::StandbyPrepare {
+            job_id,
+            step_id,
+            pid,
+        } => standby::prepare(agent, caller, (job_id, step_id, pid)),
+        Request::StandbyArm {
+            job_id,
+            step_id,
+            pid,
+            primary_pid,
+            standby_pid,
+        } => standby::arm(
+            agent,
+            caller,
+            (job_id, step_id, pid),
+            primary_pid,
+            standby_pid,
+        ),
         Request::JobStart {
             job_id,
             uid,

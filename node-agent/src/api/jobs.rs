@@ -25,6 +25,7 @@ pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Respon
         .collect();
     st.d.tasks_left(&left, crate::sys::now_ms());
     st.d.resume.remove_job(job_id);
+    let standbys = st.d.drop_standbys(|s| s.task.0 == job_id);
     st.d.start_run(job_id, uid, restart_count);
     if restart_count > 0 {
         crate::store::state::push_outcome(
@@ -37,6 +38,7 @@ pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Respon
         );
     }
     drop(st);
+    super::standby::remove_fifos(&standbys);
     agent.mark_dirty();
     Response::Ok
 }
@@ -49,6 +51,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
     let left = st.d.registry.remove_job(job_id);
     st.d.tasks_left(&left, crate::sys::now_ms());
     st.d.resume.remove_job(job_id);
+    let standbys = st.d.drop_standbys(|s| s.task.0 == job_id);
     let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
     if let Some(uid) = owner {
         crate::store::state::archive_report(&mut st.d, uid, rep.clone());
@@ -60,6 +63,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
             matches!(p.op, crate::act::slurm::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
         });
     drop(st);
+    super::standby::remove_fifos(&standbys);
     agent.mark_dirty();
     let keep = if requeued {
         agent.keepers.keep_after_requeue

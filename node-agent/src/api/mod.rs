@@ -5,7 +5,7 @@
 //!
 //! - `socket`: the listening socket, connection limits, framing.
 //! - `dispatch`: who may ask what (one table), and the handler of each request.
-//! - `tasks`, `jobs`, `views`, `admin`: the handlers, one module per request family.
+//! - `tasks`, `standby`, `jobs`, `views`, `admin`: the handlers, one module per request family.
 //! - `http`: `/metrics` and the job endpoints.
 
 mod admin;
@@ -13,5 +13,6 @@ pub mod dispatch;
 pub mod http;
 mod jobs;
 pub mod socket;
+pub mod standby;
 mod tasks;
 mod views;

@@ -48,6 +48,7 @@ pub fn deregister(
     }
     st.d.registry.remove((job_id, step_id, pid));
     st.d.tasks_left([&t], crate::sys::now_ms());
+    let standbys = st.d.drop_standbys(|s| s.task == (job_id, step_id, pid));
     st.journal(crate::store::journal::Op::Remove {
         job: job_id,
         step: step_id,
@@ -58,6 +59,7 @@ pub fn deregister(
         st.note_exit(t.clone(), keep);
     }
     drop(st);
+    super::standby::remove_fifos(&standbys);
     tracing::info!(job = job_id, step = %crate::fault::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
     agent.client_exit_signal(&t.gpus, exit_status);
     // Not waited for: a deregistration lost in a crash is redone by the restart's
@@ -91,7 +93,7 @@ pub fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
     Response::GpuContexts { contexts: out }
 }
 
-fn context(agent: &Agent, p: &Placement) -> GpuContext {
+pub(super) fn context(agent: &Agent, p: &Placement) -> GpuContext {
     let gpu = p.domain.gpu;
     let (pipe, log) = paths(&agent.cfg.run_dir, p.domain);
     GpuContext {
@@ -226,6 +228,7 @@ pub fn register(agent: &Agent, caller: Caller, r: Registration) -> Response {
                         crate::domain::Tenancy::Shared => Isolation::Shared,
                         crate::domain::Tenancy::Job(_) => Isolation::Job,
                         crate::domain::Tenancy::User(_) => Isolation::User,
+                        crate::domain::Tenancy::Standby => Isolation::Shared,
                     },
                     quarantined: false,
                     quarantine_waived: false,

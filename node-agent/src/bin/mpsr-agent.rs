@@ -119,10 +119,8 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
                 "SIMULATED GPUs: backend = sim (no real GPU is used)"
             );
             Arc::new(SimBackend::new(
-                cfg.sim.gpus,
+                &cfg.sim,
                 &cfg.run_dir,
-                cfg.sim.driver_patch,
-                cfg.sim.recovery_ms,
                 cfg.mps.quit_on_shutdown,
             )?)
         }

@@ -156,6 +156,13 @@ impl Agent {
                 });
             }
         }
+        self.start_placed(to_start)?;
+        Ok(out)
+    }
+
+    /// Starts the daemons of domains placement just made (or took over). Callers hold
+    /// `domain_ops`.
+    fn start_placed(&self, to_start: Vec<DomainRecord>) -> Result<(), PlacementError> {
         if !to_start.is_empty() {
             self.mark_dirty();
         }
@@ -174,7 +181,15 @@ impl Agent {
             }
             tracing::info!(domain = %rec.id, tenancy = %rec.tenancy, owner_uid = ?rec.owner_uid, "fault domain started");
         }
-        Ok(out)
+        Ok(())
+    }
+
+    /// The domain a hot standby of a task in domain `of` waits in (started if new).
+    pub fn place_standby(&self, of: DomainId) -> Result<DomainId, PlacementError> {
+        let _serial = lock(&self.domain_ops);
+        let (id, start) = self.state().d.domains.standby_domain(&self.policy, of)?;
+        self.start_placed(start.into_iter().collect())?;
+        Ok(id)
     }
 
     /// Starts again the daemon of every domain that does not answer (it crashed or was killed):

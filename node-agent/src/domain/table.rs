@@ -12,6 +12,8 @@ pub enum Tenancy {
     Shared,
     Job(u32),
     User(u32),
+    /// Where the hot standbys of the GPU's tasks wait (and run once they took over).
+    Standby,
 }
 
 impl std::fmt::Display for Tenancy {
@@ -20,6 +22,7 @@ impl std::fmt::Display for Tenancy {
             Tenancy::Shared => f.write_str("shared"),
             Tenancy::Job(j) => write!(f, "job {j}"),
             Tenancy::User(u) => write!(f, "uid {u}"),
+            Tenancy::Standby => f.write_str("standby"),
         }
     }
 }
@@ -227,7 +230,8 @@ impl DomainTable {
         let record = |id| DomainRecord {
             id,
             tenancy,
-            owner_uid: Some(uid),
+            // The standby domain is every user's, like the shared one.
+            owner_uid: (tenancy != Tenancy::Standby).then_some(uid),
             thread_pct: limits.0,
             mem_limit: limits.1,
             empty_since_ms: None,
@@ -259,6 +263,21 @@ impl DomainTable {
                 max: policy.max_per_gpu,
             }),
         }
+    }
+
+    /// Where a hot standby of a task in domain `of` waits: never in `of` itself (a fault there
+    /// must not reach it). The GPU's standby domain (made on first use, within the cap), or, for
+    /// a task running in the standby domain (one that took over), the shared domain. With the
+    /// domain record to start when its daemon must be started.
+    pub fn standby_domain(
+        &mut self,
+        policy: &Policy,
+        of: DomainId,
+    ) -> Result<(DomainId, Option<DomainRecord>), PlaceError> {
+        if self.tenancy(of) == Tenancy::Standby {
+            return Ok((DomainId::shared(of.gpu), None));
+        }
+        self.place_as(policy, of.gpu, Tenancy::Standby, 0, (None, None))
     }
 
     /// The last registered task of domain `id` left: it is empty from now on, so placement may
@@ -438,6 +457,28 @@ mod tests {
             t.place(&p, 0, 8, 200, Some(Isolation::Job), none, 50),
             Err(PlaceError::Full { gpu: 0, max: 2 })
         );
+    }
+
+    #[test]
+    fn a_standby_waits_in_another_domain_than_its_task() {
+        let p = policy(3);
+        let mut t = DomainTable::default();
+        let (sb, start) = t.standby_domain(&p, DomainId::shared(0)).unwrap();
+        assert!(!sb.is_shared());
+        let rec = start.expect("a new domain to start");
+        assert_eq!((rec.tenancy, rec.owner_uid), (Tenancy::Standby, None));
+        // One standby domain per GPU, for the tasks of every other domain.
+        let job = t
+            .place(&p, 0, 5, 100, Some(Isolation::Job), (None, None), 0)
+            .unwrap();
+        assert_eq!(t.standby_domain(&p, job.id).unwrap(), (sb, None));
+        // A task that took over runs in the standby domain: its own standby waits in the shared.
+        assert_eq!(
+            t.standby_domain(&p, sb).unwrap(),
+            (DomainId::shared(0), None)
+        );
+        // Another GPU gets its own.
+        assert_eq!(t.standby_domain(&p, DomainId::shared(1)).unwrap().0.gpu, 1);
     }
 
     #[test]

@@ -82,6 +82,8 @@ impl Agent {
                     self.slurm_wake.notify_all();
                 }
                 Effect::Probe(p) => self.request_probe(p),
+                Effect::Release(r) => self.release_standby(r),
+                Effect::EndStandby(sb) => self.end_standby(sb),
                 Effect::Terminate { domain, pid } => match terminations.try_send((domain, pid)) {
                     Ok(()) => {}
                     Err(TrySendError::Full(_)) => {

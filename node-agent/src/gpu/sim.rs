@@ -25,6 +25,7 @@ pub struct SimBackend {
     gpus: Vec<GpuInfo>,
     run_dir: PathBuf,
     driver_patch: DriverPatch,
+    timing: mpsr_simgpu::FaultTiming,
     recovery_ms: u64,
     /// Stop the daemon when the agent stops (tests); by default it stays, like MPS daemons.
     quit_on_shutdown: bool,
@@ -35,13 +36,11 @@ pub struct SimBackend {
 
 impl SimBackend {
     pub fn new(
-        n: u32,
+        cfg: &crate::config::SimConfig,
         run_dir: &Path,
-        driver_patch: DriverPatch,
-        recovery_ms: u64,
         quit_on_shutdown: bool,
     ) -> Result<SimBackend, BackendError> {
-        let gpus = (0..n)
+        let gpus = (0..cfg.gpus)
             .map(|i| {
                 let pci = mpsr_simgpu::gpu_pci(i);
                 Ok(GpuInfo {
@@ -55,8 +54,9 @@ impl SimBackend {
         Ok(SimBackend {
             gpus,
             run_dir: run_dir.to_path_buf(),
-            driver_patch,
-            recovery_ms,
+            driver_patch: cfg.driver_patch,
+            timing: cfg.timing,
+            recovery_ms: cfg.recovery_ms,
             quit_on_shutdown,
             telemetry_started: Instant::now(),
             injections: Arc::new(Mutex::new(Vec::new())),
@@ -102,6 +102,7 @@ impl SimBackend {
             .arg("--recovery-ms")
             .arg(self.recovery_ms.to_string());
         c.arg("--driver-patch").arg(self.driver_patch.name());
+        c.arg("--timing").arg(self.timing.name());
         // Its own session: the daemon outlives the agent, as MPS control daemons do.
         crate::sys::process::prepare(&mut c, true);
         c.stdin(Stdio::null())

@@ -213,6 +213,10 @@ impl Registry {
         self.tasks.get(&k)
     }
 
+    pub fn get_mut(&mut self, k: TaskKey) -> Option<&mut Task> {
+        self.tasks.get_mut(&k)
+    }
+
     pub fn remove(&mut self, k: TaskKey) -> Option<Task> {
         self.tasks.remove(&k)
     }

@@ -22,6 +22,49 @@ pub struct ResumeEntry {
     pub slot: u32,
     /// Set for culprits and tasks on an unusable GPU: their supervisor is told to fail.
     pub fail: Option<String>,
+    /// The task's hot standby was released to take over (its supervisor is told so, not to
+    /// restart).
+    #[serde(default)]
+    pub takeover: Option<Takeover>,
+}
+
+/// Where a hit task's standby release stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "state", content = "pid")]
+pub enum Takeover {
+    /// Decided; the agent is ending the primary and writing the release.
+    Releasing(u32),
+    /// The standby (this pid) was released and runs the task now.
+    Released(u32),
+    /// The standby could not be released (gone): the task is restarted as without one.
+    Unavailable,
+}
+
+/// A task's hot standby: prepared by its supervisor in `domain`, armed once it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Standby {
+    pub task: crate::store::registry::TaskKey,
+    pub uid: u32,
+    /// Where the standby waits: a fault domain other than the task's.
+    pub domain: DomainId,
+    /// The FIFO it waits on; the agent made it (root's directory, owned by `uid`).
+    pub fifo: std::path::PathBuf,
+    pub armed: Option<Armed>,
+}
+
+impl Standby {
+    /// The standby's pid (0 while it is not armed).
+    pub fn pid(&self) -> u32 {
+        self.armed.map_or(0, |a| a.standby.0)
+    }
+}
+
+/// The two incarnations of an armed task, each a pid and its start time (/proc), so that a pid
+/// reused by another process is never killed nor taken for the standby.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Armed {
+    pub primary: (u32, Option<u64>),
+    pub standby: (u32, Option<u64>),
 }
 
 impl ResumeEntry {
@@ -40,6 +83,9 @@ pub struct ResumeBoard(BTreeMap<crate::store::registry::TaskKey, ResumeEntry>);
 impl ResumeBoard {
     pub fn get(&self, k: crate::store::registry::TaskKey) -> Option<&ResumeEntry> {
         self.0.get(&k)
+    }
+    pub fn get_mut(&mut self, k: crate::store::registry::TaskKey) -> Option<&mut ResumeEntry> {
+        self.0.get_mut(&k)
     }
     pub fn insert(&mut self, k: crate::store::registry::TaskKey, e: ResumeEntry) {
         self.0.insert(k, e);
@@ -118,6 +164,9 @@ pub struct Durable {
     /// a process into, and only as the job's owner.
     #[serde(default)]
     pub running: BTreeMap<u32, JobRun>,
+    /// Hot standbys of resume-mode tasks.
+    #[serde(default)]
+    pub standbys: Vec<Standby>,
 }
 
 /// One run of a job on this node, as Slurm reported it.
@@ -172,6 +221,16 @@ impl Durable {
                 self.domains.mark_empty(d, now_ms);
             }
         }
+    }
+
+    /// Forgets the standbys `which` selects; returns them (their FIFOs are the caller's to
+    /// remove, outside the lock).
+    pub fn drop_standbys(&mut self, which: impl Fn(&Standby) -> bool) -> Vec<Standby> {
+        let (gone, kept) = std::mem::take(&mut self.standbys)
+            .into_iter()
+            .partition(|s| which(s));
+        self.standbys = kept;
+        gone
     }
 
     /// Slurm says this run of the job is on this node (prolog, or slurmstepd's registration).
@@ -340,6 +399,7 @@ mod tests {
             gpu: 0,
             slot: 1,
             fail: None,
+            takeover: None,
         };
         let mut b = ResumeBoard::default();
         b.insert((7, 0, 42), e.clone());

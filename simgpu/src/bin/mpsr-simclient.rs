@@ -21,23 +21,18 @@ struct Args {
     mem_mib: u64,
 }
 
-fn main() {
-    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
-    let a = Args::parse();
-    let Some(dir) = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY") else {
-        eprintln!("mpsr-simclient: CUDA_MPS_PIPE_DIRECTORY is not set (not an MPS client context)");
-        std::process::exit(2);
-    };
-    let path = std::path::Path::new(&dir).join(mpsr_simgpu::SOCKET_NAME);
-    let mut s = match UnixStream::connect(&path) {
+/// Connects to the simulated server as an idle or busy client; exits as a CUDA client would if
+/// the server refuses it.
+fn attach(path: &std::path::Path, idle: bool, mem_mib: u64) -> (UnixStream, BufReader<UnixStream>) {
+    let mut s = match UnixStream::connect(path) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("CUDA error 805: MPS client failed to connect to the MPS control daemon ({}: {e}) [simulated]", path.display());
             std::process::exit(1);
         }
     };
-    let kind = if a.idle { "idle" } else { "busy" };
-    let _ = writeln!(s, "HELLO {kind} {}", a.mem_mib << 20);
+    let kind = if idle { "idle" } else { "busy" };
+    let _ = writeln!(s, "HELLO {kind} {}", mem_mib << 20);
     let Ok(clone) = s.try_clone() else {
         eprintln!("mpsr-simclient: cannot use the socket");
         std::process::exit(1);
@@ -54,6 +49,37 @@ fn main() {
         std::process::id(),
         line.trim()
     );
+    (s, r)
+}
+
+fn main() {
+    mpsr_manpage::print_if_asked(<Args as clap::CommandFactory>::command());
+    let a = Args::parse();
+    let Some(dir) = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY") else {
+        eprintln!("mpsr-simclient: CUDA_MPS_PIPE_DIRECTORY is not set (not an MPS client context)");
+        std::process::exit(2);
+    };
+    let path = std::path::Path::new(&dir).join(mpsr_simgpu::SOCKET_NAME);
+    // A hot standby (mpsr-run's second incarnation): its context is prepared (an idle client of
+    // its own server), then it waits until the agent releases it, and computes from then on.
+    let standby = std::env::var(mpsr_proto::standby::ROLE_ENV).as_deref() == Ok("standby");
+    let (mut s, mut r) = attach(&path, a.idle || standby, a.mem_mib);
+    if standby {
+        let t = Instant::now();
+        if let Err(e) = mpsr_proto::standby::ready() {
+            eprintln!("mpsr-simclient: standby cannot wait for its release: {e}");
+            std::process::exit(1);
+        }
+        println!(
+            "simulated standby {} took over after waiting {:.1} s",
+            std::process::id(),
+            t.elapsed().as_secs_f64()
+        );
+        // Its first kernel: a busy client of the same server from now on.
+        drop(s);
+        (s, r) = attach(&path, a.idle, a.mem_mib);
+    }
+    let _keep = &mut s;
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
         let mut l = String::new();

@@ -2,7 +2,7 @@
 //! with `backend = "sim"`; like real MPS control daemons it outlives agent restarts.
 
 use clap::Parser;
-use mpsr_simgpu::{DriverPatch, SimGpus};
+use mpsr_simgpu::{DriverPatch, FaultTiming, SimGpus};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -24,6 +24,10 @@ struct Args {
     /// Which phase of the driver patch to model for an Xid 31 with a known culprit.
     #[arg(long, value_enum, default_value_t = DriverPatch::Off)]
     driver_patch: DriverPatch,
+    /// When a fault shows: as measured on an H200 (the driver reports an Xid 43 after ~14 ms, an
+    /// Xid 31 after ~100 ms; victims fail after ~150/125 ms), or all at once.
+    #[arg(long, value_enum, default_value_t = FaultTiming::Measured)]
+    timing: FaultTiming,
 }
 
 fn main() -> std::process::ExitCode {
@@ -39,6 +43,7 @@ fn main() -> std::process::ExitCode {
         a.gpus,
         &a.run_dir,
         a.driver_patch,
+        a.timing,
         a.recovery_ms,
     ))
     .serve()

@@ -1,7 +1,7 @@
 //! mpsr-statetool: attach, fill, verify and checkpoint kept state from the command line (tests,
 //! the demo, and checking a node by hand). Runs inside a job (MPSR_KEEPER_SOCKET set).
 //!
-//!   mpsr-statetool NAME BYTES [--fill B] [--verify B] [--checkpoint] [--hold SECS] [--release]
+//!   mpsr-statetool NAME BYTES [--fill B] [--verify B] [--checkpoint] [--hold SECS] [--ready] [--release]
 //!
 //! The steps run in the order given (`--fill 3 --checkpoint --verify 3`).
 
@@ -25,6 +25,7 @@ fn command() -> Command {
         .arg(step("verify", "B", "Check every byte is B; fails otherwise").value_parser(clap::value_parser!(u8)))
         .arg(Arg::new("checkpoint").long("checkpoint").action(ArgAction::Count).help("Snapshot it to the host now"))
         .arg(step("hold", "SECS", "Keep it attached this long").value_parser(clap::value_parser!(f64)))
+        .arg(Arg::new("ready").long("ready").action(ArgAction::Count).help("Hot standby: wait here until this standby takes over (returns at once in a primary)"))
         .arg(Arg::new("release").long("release").action(ArgAction::Count).help("Free it (the keeper forgets it)"))
 }
 
@@ -42,6 +43,7 @@ enum Step {
     Verify(u8),
     Checkpoint,
     Hold(f64),
+    Ready,
     Release,
 }
 
@@ -67,6 +69,7 @@ fn steps(m: &ArgMatches) -> Vec<Step> {
         Step::Hold(*m.get_many::<f64>("hold").unwrap().nth(n).unwrap())
     });
     valued("checkpoint", &|_, _| Step::Checkpoint);
+    valued("ready", &|_, _| Step::Ready);
     valued("release", &|_, _| Step::Release);
     out.sort_by_key(|(i, _)| *i);
     out.into_iter().map(|(_, s)| s).collect()
@@ -116,6 +119,14 @@ fn main() -> ExitCode {
                 }
             },
             Step::Hold(s) => std::thread::sleep(std::time::Duration::from_secs_f64(s.max(0.0))),
+            Step::Ready => match mpsr_proto::standby::ready() {
+                Ok(mpsr_proto::standby::Ready::Primary) => println!("ready: primary"),
+                Ok(mpsr_proto::standby::Ready::TookOver) => println!("ready: took over"),
+                Err(e) => {
+                    eprintln!("mpsr-statetool: ready: {e}");
+                    return ExitCode::from(1);
+                }
+            },
             Step::Release => {
                 if let Err(e) = mpsr_state::release(name) {
                     eprintln!("mpsr-statetool: release: {e}");

@@ -1,0 +1,119 @@
+//! A hot standby takes over a hit task: the old incarnation is ended (SIGKILL), the standby's FIFO
+//! gets its one byte, and the task is recorded as running in the standby's domain. Run on the
+//! fault worker right after the decision: this is the latency a hit task feels (the restart path
+//! waits for the faulted server to recover and a new process to start).
+//!
+//! Ordering: the primary pid is killed before the release is written, its descendants right after
+//! (a /proc scan costs milliseconds the standby need not wait for). A primary hit by the fault
+//! cannot write GPU memory any more (its context is poisoned); what it could still do on the host
+//! in those milliseconds is the application's to make idempotent (README, hot standby).
+
+use crate::agent::Agent;
+use crate::fault::core::Release;
+use crate::store::state::Takeover;
+use crate::sys::procfs;
+use std::io::Write;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+
+impl Agent {
+    pub(crate) fn release_standby(&self, r: Release) {
+        let Some(armed) = r.standby.armed else {
+            return;
+        };
+        let (primary, primary_ticks) = armed.primary;
+        let (standby, standby_ticks) = armed.standby;
+        let fenced = kill_if_alive(primary, primary_ticks);
+        let released = procfs::alive(standby, standby_ticks) && write_release(&r.standby.fifo);
+        let ms = r.first.elapsed().as_secs_f64() * 1000.0;
+        // The old incarnation's children (a shell's command, a launcher's workers).
+        for p in procfs::under(&[primary]) {
+            kill_if_alive(p, None);
+        }
+        let _ = std::fs::remove_file(&r.standby.fifo);
+        let (job, step, pid) = r.task;
+        let line = if released {
+            format!(
+                "standby pid {standby} took over task {job}.{} (released {ms:.1} ms after the fault's first signal; primary pid {primary} {})",
+                crate::fault::decide::step_name(step),
+                if fenced { "ended" } else { "already gone" }
+            )
+        } else {
+            format!(
+                "standby pid {standby} of task {job}.{} was gone: restarted in place instead",
+                crate::fault::decide::step_name(step)
+            )
+        };
+        tracing::info!(
+            fault_id = r.fault_id,
+            job,
+            pid,
+            standby,
+            released,
+            ms,
+            "{line}"
+        );
+        let mut st = self.state();
+        if let Some(e) = st.d.resume.get_mut(r.task) {
+            e.takeover = Some(if released {
+                Takeover::Released(standby)
+            } else {
+                Takeover::Unavailable
+            });
+        }
+        if released {
+            // The task runs in the standby's domain now: its next fault is that domain's.
+            let d = r.standby.domain;
+            if let Some(t) = st.d.registry.get_mut(r.task) {
+                t.domains.retain(|x| x.gpu != d.gpu);
+                if !d.is_shared() {
+                    t.domains.push(d);
+                }
+            }
+        }
+        crate::store::state::push_outcome(
+            &mut st.d.outcomes,
+            job,
+            format!("fault {}: {line}", r.fault_id),
+        );
+        self.add_outcome(&mut st, r.fault_id, line);
+        drop(st);
+        self.mark_dirty();
+    }
+}
+
+impl Agent {
+    /// Ends a standby whose own server faulted (poisoned: it would hold that server in FAULT).
+    pub(crate) fn end_standby(&self, sb: crate::store::state::Standby) {
+        if let Some(a) = sb.armed {
+            if kill_if_alive(a.standby.0, a.standby.1) {
+                tracing::info!(job = sb.task.0, pid = a.standby.0, domain = %sb.domain, "standby in a faulted server ended");
+            }
+        }
+        let _ = std::fs::remove_file(&sb.fifo);
+    }
+}
+
+/// SIGKILLs `pid` if it is still the process that started at `ticks` (a reused pid is left
+/// alone); whether it was there.
+fn kill_if_alive(pid: u32, ticks: Option<u64>) -> bool {
+    if pid <= 1 || !procfs::alive(pid, ticks) {
+        return false;
+    }
+    // SAFETY: kill(2) with a checked pid and a constant signal.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) == 0 }
+}
+
+/// Writes the release byte. Non-blocking: with no standby reading the FIFO (it died), the open
+/// fails at once (ENXIO) and the task is restarted instead.
+fn write_release(fifo: &std::path::Path) -> bool {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(fifo);
+    let Ok(mut f) = f else { return false };
+    // The agent made it in its own directory; still, only a FIFO is written to.
+    if !f.metadata().is_ok_and(|m| m.file_type().is_fifo()) {
+        return false;
+    }
+    f.write_all(b"g").is_ok()
+}

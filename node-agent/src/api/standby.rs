@@ -1,0 +1,180 @@
+//! The requests of a resume supervisor that keeps a hot standby of its task: where the standby may
+//! wait (a fault domain other than the task's) with the FIFO that releases it, and arming it once
+//! it runs. The release itself is the fault worker's (`fault::worker`).
+
+use super::dispatch::{denied, Caller};
+use super::tasks::context;
+use crate::agent::Agent;
+use crate::domain::Placement;
+use crate::store::registry::{Task, TaskKey};
+use crate::store::state::{Armed, Standby};
+use crate::sys::procfs;
+use mpsr_proto::{ErrorCode, Isolation, Mode, Response};
+use std::path::PathBuf;
+
+/// The registered task `(job, step, pid)` names, or the one the caller runs under; only the
+/// task's owner (or a trusted caller) gets it. The refusal is the message to send.
+fn own_task(agent: &Agent, caller: Caller, (job, step, pid): TaskKey) -> Result<Task, String> {
+    let st = agent.state();
+    let from = if caller.trusted { pid } else { caller.peer.pid };
+    let t =
+        st.d.registry
+            .get((job, step, pid))
+            .filter(|_| caller.trusted || procfs::ancestry(from).contains(&pid))
+            .or_else(|| st.d.registry.task_in_ancestry(job, &procfs::ancestry(from)))
+            .cloned();
+    match t {
+        Some(t) if caller.trusted || t.uid == caller.peer.uid => Ok(t),
+        _ => Err(format!(
+            "task {job}.{step} pid {pid} is not a registered task of uid {} (or the caller does not run under it)",
+            caller.peer.uid
+        )),
+    }
+}
+
+/// Where the task's standbys' release FIFOs live (root's directory; each FIFO its owner's).
+fn fifo_dir(agent: &Agent) -> PathBuf {
+    agent.cfg.run_dir.join("standby")
+}
+
+pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
+    let t = match own_task(agent, caller, key) {
+        Ok(t) => t,
+        Err(why) => return denied(why),
+    };
+    if t.mode != Mode::Resume {
+        return Response::error(
+            ErrorCode::BadRequest,
+            format!(
+                "job {} is not in resume mode: a standby takes over in place only there",
+                t.job_id
+            ),
+        );
+    }
+    let Some(gpu) = t.gpus.first().copied() else {
+        return Response::error(ErrorCode::BadRequest, "the task uses no GPU");
+    };
+    let task = (t.job_id, t.step_id, t.pid);
+    let limit = agent.cfg.standby.max_per_gpu as usize;
+    let on_gpu = {
+        let mut st = agent.state();
+        // A task has one standby: a new one replaces the last (its supervisor started again).
+        let old = st.d.drop_standbys(|s| s.task == task);
+        remove_fifos(&old);
+        st.d.standbys.iter().filter(|s| s.domain.gpu == gpu).count()
+    };
+    if on_gpu >= limit {
+        return Response::error(
+            ErrorCode::Refused,
+            format!("gpu{gpu} already has {on_gpu} standbys (standby.max_per_gpu = {limit})"),
+        );
+    }
+    let of = t
+        .domain_on(gpu)
+        .unwrap_or(mpsr_proto::DomainId::shared(gpu));
+    let domain = match agent.place_standby(of) {
+        Ok(d) => d,
+        Err(e) => return Response::error(ErrorCode::Refused, e.to_string()),
+    };
+    let dir = fifo_dir(agent);
+    let fifo = dir.join(format!("{}.{}.{}", t.job_id, t.step_id, t.pid));
+    if let Err(e) = make_fifo(&dir, &fifo, t.uid) {
+        return Response::error(
+            ErrorCode::Internal,
+            format!("standby FIFO {}: {e}", fifo.display()),
+        );
+    }
+    agent.state().d.standbys.push(Standby {
+        task,
+        uid: t.uid,
+        domain,
+        fifo: fifo.clone(),
+        armed: None,
+    });
+    agent.mark_dirty();
+    tracing::info!(job = t.job_id, step = t.step_id, pid = t.pid, %domain, "standby prepared");
+    let mut ctx = context(
+        agent,
+        &Placement {
+            domain,
+            isolation: Isolation::Shared,
+            quarantined: false,
+            quarantine_waived: false,
+        },
+    );
+    ctx.state = Some(agent.backend.server_state(domain));
+    Response::Standby {
+        context: ctx,
+        release_fifo: fifo.display().to_string(),
+        mem_limit: crate::config::parse_size(&agent.cfg.standby.memory_limit),
+    }
+}
+
+pub fn arm(
+    agent: &Agent,
+    caller: Caller,
+    key: TaskKey,
+    primary_pid: u32,
+    standby_pid: u32,
+) -> Response {
+    let t = match own_task(agent, caller, key) {
+        Ok(t) => t,
+        Err(why) => return denied(why),
+    };
+    // Both incarnations must run under the task and be the owner's: the agent kills one of them.
+    for pid in [primary_pid, standby_pid] {
+        let under = procfs::ancestry(pid).contains(&t.pid) && pid != t.pid;
+        if !under || procfs::uid(pid) != Some(t.uid) {
+            return denied(format!(
+                "process {pid} is not an incarnation of task {}.{} (a process of uid {} under pid {})",
+                t.job_id, t.step_id, t.uid, t.pid
+            ));
+        }
+    }
+    let task = (t.job_id, t.step_id, t.pid);
+    let mut st = agent.state();
+    let Some(sb) = st.d.standbys.iter_mut().find(|s| s.task == task) else {
+        return Response::error(
+            ErrorCode::NotFound,
+            format!("no standby prepared for task {}.{}", t.job_id, t.step_id),
+        );
+    };
+    sb.armed = Some(Armed {
+        primary: (primary_pid, procfs::start_ticks(primary_pid)),
+        standby: (standby_pid, procfs::start_ticks(standby_pid)),
+    });
+    let domain = sb.domain;
+    drop(st);
+    agent.mark_dirty();
+    tracing::info!(job = t.job_id, step = t.step_id, primary_pid, standby_pid, %domain, "standby armed");
+    Response::Ok
+}
+
+fn make_fifo(dir: &std::path::Path, fifo: &std::path::Path, uid: u32) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    let _ = std::fs::remove_file(fifo);
+    let c = std::ffi::CString::new(fifo.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: a valid NUL-terminated path; the results are checked.
+    unsafe {
+        if libc::mkfifo(c.as_ptr(), 0o600) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::chown(c.as_ptr(), uid, u32::MAX) != 0 {
+            let e = std::io::Error::last_os_error();
+            let _ = std::fs::remove_file(fifo);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Removes the FIFOs of standbys that are gone.
+pub fn remove_fifos(gone: &[Standby]) {
+    for s in gone {
+        let _ = std::fs::remove_file(&s.fifo);
+    }
+}

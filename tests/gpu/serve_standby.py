@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""A small PyTorch model served in a loop, for the hot-standby proof (tests/gpu/standby_proof.py):
+its weights are kept by the state keeper (mpsr_state.attach, no copy), it runs one warm-up forward
+pass, waits in mpsr_state.ready() (at once in a primary; until a fault in a standby), then answers
+"requests" (one forward pass each) for SECONDS, printing `ANSWER <wall>` per answer.
+
+    serve_standby.py SECONDS [plain]
+
+`plain`: weights in ordinary GPU memory, made again at every start (a restart without kept state).
+"""
+import os
+import sys
+import time
+
+t_start = time.time()
+import torch  # noqa: E402
+
+import mpsr_state  # noqa: E402
+
+H, LAYERS, BATCH = 4096, 4, 32
+secs = float(sys.argv[1])
+plain = len(sys.argv) > 2 and sys.argv[2] == "plain"
+shape = (LAYERS, H, H)
+if plain:
+    origin = "none"
+    w = torch.empty(shape, device="cuda", dtype=torch.float16)
+else:
+    ptr, origin = mpsr_state.attach("weights", LAYERS * H * H * 2)
+    w = mpsr_state.as_torch(ptr, shape, torch.float16)
+if origin != "kept":
+    # "Loading the model": deterministic weights, as a checkpoint would give them.
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w.copy_(torch.randn(shape, device="cuda", dtype=torch.float16, generator=g) * 0.02)
+x = torch.randn(BATCH, H, device="cuda", dtype=torch.float16, generator=torch.Generator(device="cuda").manual_seed(1))
+
+
+def forward():
+    y = x
+    for layer in range(LAYERS):
+        y = torch.nn.functional.linear(y, w[layer]).relu()
+    return y
+
+
+with torch.no_grad():
+    ref = forward()
+    torch.cuda.synchronize()
+role_env = "standby" if os.environ.get("MPSR_ROLE") == "standby" else "primary"
+print(f"READY role={role_env} origin={origin} wall={time.time():.6f}", flush=True)
+role = mpsr_state.ready() if not plain else "primary"
+t_ready = time.time()
+print(f"SERVING role={role} origin={origin} start_to_ready_s={t_ready - t_start:.3f} wall={t_ready:.6f}", flush=True)
+end = time.time() + secs
+with torch.no_grad():
+    while time.time() < end:
+        y = forward()
+        torch.cuda.synchronize()
+        if not torch.equal(y, ref):
+            print("WRONG_ANSWER", flush=True)
+            sys.exit(3)
+        print(f"ANSWER {time.time():.6f}", flush=True)
+        time.sleep(0.002)
+print("DONE", flush=True)

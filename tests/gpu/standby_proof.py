@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""Hot-standby proof on a real GPU (issue 21): the agent (nvml backend, real MPS, the state keeper);
+a resume-mode task under mpsr-run with a hot standby (MPSR_STANDBY=1, as `--mps-standby` sets it)
+in the GPU's standby domain; another job's fault in the shared server. Measured on one wall clock,
+from the culprit's launch of its faulting kernel to the hit task's first kernel on its kept state:
+the standby's takeover (N faults per kind: Xid 43, 13+43, 31) against today's restart path (the
+same task without a standby) in the same run, with p50/p99; the kernel's Xid record time; a
+PyTorch model served in a loop (the longest gap between answers across the fault: standby vs
+restart with kept weights vs restart without); the cost of waiting standbys (throughput of two
+busy clients of the shared server with 0, 4 and 16 idle standbys; GPU memory and host RSS per
+standby).
+
+    MPSR_BIN=<dir with mpsr-agent, mpsrctl, mpsr-run, mpsr-keeper, libmpsr_state.so> \\
+        python3 tests/gpu/standby_proof.py [N_PER_KIND]
+
+STANDBY_PROOF_ONLY=takeover,serving,cost picks the parts (default all); SERVE_RUNS (default 5).
+"""
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import gpucommon as g
+from gpucommon import Output, Task, check, ctl, say, sh, start_agent, wait_server_ready
+
+RESULTS = g.RESULTS
+
+
+class Supervised(Output):
+    """A resume-mode task as slurmstepd starts it: registered first (the shell waits), then it
+    execs into mpsr-run, which runs the command (and, with `standby`, its hot standby)."""
+
+    WAIT = 60
+
+    def __init__(self, job, argv, standby, env=None):
+        e = dict(os.environ)
+        e.update(
+            SLURM_JOB_ID=str(job), SLURM_STEP_ID="0", MPSR_SOCKET=str(g.SOCK),
+            MPSR_KEEPER_SOCKET=str(g.W / "run/gpu0/keeper.sock"),
+            CUDA_MPS_PIPE_DIRECTORY=str(g.W / "run/gpu0/pipe"), CUDA_MPS_LOG_DIRECTORY=str(g.W / "run/gpu0/log"),
+            CUDA_VISIBLE_DEVICES="0", MPSR_STATE_LIB=str(g.BIN / "libmpsr_state.so"),
+            PYTHONPATH=str(g.ROOT / "state-lib/python"), PYTHONUNBUFFERED="1",
+        )
+        if standby:
+            e["MPSR_STANDBY"] = "1"
+        e.update(env or {})
+        cmd = " ".join(map(str, argv))
+        self.p = subprocess.Popen(["/bin/sh", "-c", f"read go; exec {g.BIN}/mpsr-run --backoff-ms 0 -- {cmd}"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=e)
+        self.pid = self.p.pid
+        self.job = job
+        self.lines = []
+        r = ctl("register", "--job", job, "--step", 0, "--pid", self.pid, "--gpus", 0, "--mode", "resume")
+        self.registered = r.returncode == 0
+        self.p.stdin.write("go\n")
+        self.p.stdin.flush()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def lines_with(self, word):
+        return [(t, l) for t, l in self.lines if word in l]
+
+    def stop(self):
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        if self.wait(20) is None:
+            self.p.kill()
+            self.wait(5)
+        ctl("job-end", self.job)
+
+
+def field(line, key):
+    for w in line.split():
+        if w.startswith(key + "="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 1)
+
+
+def summary(xs):
+    return {"n": len(xs), "p50": pct(xs, 50), "p99": pct(xs, 99), "min": pct(xs, 0), "max": pct(xs, 100)}
+
+
+def one_fault(kmsg, job, kind, standby, app):
+    """One resume task (with or without a standby), a culprit job in the same shared server that
+    faults; returns the measurements or None."""
+    t = Supervised(job, app, standby)
+    if not t.registered:
+        say(f"  register failed for job {job}")
+        t.stop()
+        return None
+    want = 2 if standby else 1
+    end = time.time() + 60
+    while len(t.lines_with("READY role=")) < want and time.time() < end and t.p.poll() is None:
+        time.sleep(0.01)
+    if len(t.lines_with("READY role=")) < want:
+        say(f"  job {job}: not ready: {t.text()[-600:]}")
+        t.stop()
+        return None
+    time.sleep(0.2)
+    culprit = Task(job + 5000, None, [g.W / "standby_app", "fault", kind, "0.3"])
+    faulting = culprit.wait_line("FAULTING", 30)
+    how = "takeover" if standby else "restart"
+    end = time.time() + 60
+    first = None
+    while time.time() < end:
+        first = next((l for _, l in t.lines_with("FIRST_KERNEL") if f"how={how}" in l), None)
+        if first or t.p.poll() is not None:
+            break
+        time.sleep(0.005)
+    culprit.wait(10)
+    culprit.done(1)
+    res = None
+    if faulting and first:
+        t_fault = float(field(faulting[1], "wall"))
+        xid = [r for r in kmsg.records if r[0] >= t_fault - 0.01 and "Xid" in r[1]]
+        res = {
+            "fault_to_first_kernel_ms": round((float(field(first, "done")) - t_fault) * 1000, 1),
+            "fault_to_release_ms": round((float(field(first, "released")) - t_fault) * 1000, 1),
+            "xid_record_ms": round((xid[0][0] - t_fault) * 1000, 1) if xid else None,
+            "bad_words": int(field(first, "bad")), "redo": int(field(first, "redo")),
+            "restarted": any("restarting in place" in l for _, l in t.lines),
+        }
+    else:
+        say(f"  job {job}: no measurement: culprit {culprit.text()[-300:]} | task {t.text()[-800:]}")
+    t.stop()
+    wait_server_ready(20)
+    return res
+
+
+def takeover_cases(kmsg, n):
+    kinds = {"xid43": "trap", "xid13_43": "misaligned", "xid31": "illegal"}
+    app = [g.W / "standby_app", "serve", 64, 20]
+    out = {}
+    job = 3000
+    for name, kind in kinds.items():
+        for mode in ("standby", "restart"):
+            if mode == "restart" and name != "xid43" and n > 5:
+                runs = max(5, n // 4)  # the restart path is the baseline: fewer runs of the slower kinds
+            else:
+                runs = n
+            rows = []
+            say(f"=== {name} {mode}: {runs} faults")
+            for i in range(runs):
+                job += 1
+                r = one_fault(kmsg, job, kind, mode == "standby", app)
+                if r:
+                    rows.append(r)
+            out[f"{name}_{mode}"] = {
+                "rows": rows,
+                "fault_to_first_kernel_ms": summary([r["fault_to_first_kernel_ms"] for r in rows]),
+                "xid_record_ms": summary([r["xid_record_ms"] for r in rows if r["xid_record_ms"] is not None]),
+            }
+            s = out[f"{name}_{mode}"]
+            say(f"  {name} {mode}: fault -> first kernel on kept state {s['fault_to_first_kernel_ms']}; "
+                f"Xid record {s['xid_record_ms']}")
+            check(f"{name}_{mode}", len(rows) >= max(1, runs * 3 // 4), f"{len(rows)}/{runs} faults measured")
+            check(f"{name}_{mode}", all(r["bad_words"] == 0 for r in rows), "the kept state was consistent every time")
+            if mode == "standby":
+                check(f"{name}_{mode}", not any(r["restarted"] for r in rows), "no restart: the standby took over")
+    return out
+
+
+def serving_case(kmsg, runs):
+    """The longest gap between answers of a PyTorch model across a neighbour's Xid 43."""
+    out = {}
+    job = 6000
+    for mode in ("standby", "restart", "plain"):
+        gaps = []
+        for i in range(runs):
+            job += 1
+            args = [sys.executable, g.ROOT / "tests/gpu/serve_standby.py", 30] + (["plain"] if mode == "plain" else [])
+            t = Supervised(job, args, mode == "standby")
+            # The primary serves; a standby has printed READY and waits.
+            want = 2 if mode == "standby" else 1
+            end = time.time() + 120
+            while (len(t.lines_with("READY role=")) < want or not t.lines_with("SERVING")) \
+                    and time.time() < end and t.p.poll() is None:
+                time.sleep(0.02)
+            if len(t.lines_with("READY role=")) < want or not t.lines_with("SERVING"):
+                say(f"  serve {mode}: not serving: {t.text()[-600:]}")
+                t.stop()
+                continue
+            time.sleep(1.0)
+            culprit = Task(job + 5000, None, [g.W / "standby_app", "fault", "trap", "0.3"])
+            faulting = culprit.wait_line("FAULTING", 30)
+            # Answers again after the fault for a second.
+            end = time.time() + 90
+            while time.time() < end:
+                later = [x for x, l in t.lines if l.startswith("ANSWER") and faulting and x > float(field(faulting[1], "wall")) + 1.0]
+                if later or t.p.poll() is not None:
+                    break
+                time.sleep(0.02)
+            culprit.wait(10)
+            culprit.done(1)
+            answers = [float(l.split()[1]) for _, l in t.lines if l.startswith("ANSWER")]
+            if faulting and answers:
+                tf = float(field(faulting[1], "wall"))
+                before = [a for a in answers if a <= tf]
+                after = [a for a in answers if a > tf]
+                if before and after:
+                    gap = round((after[0] - before[-1]) * 1000, 1)
+                    gaps.append(gap)
+                    say(f"  serve {mode} #{i}: longest gap across the fault {gap} ms (fault -> next answer "
+                        f"{round((after[0] - tf) * 1000, 1)} ms)")
+            t.stop()
+            wait_server_ready(20)
+        out[mode] = {"gaps_ms": gaps, **summary(gaps)}
+        check(f"serve_{mode}", len(gaps) >= max(1, runs - 1), f"{len(gaps)}/{runs} serving gaps measured")
+    return out
+
+
+def standby_domain_pipe():
+    for d in g.gpu0().get("domains", []):
+        if d.get("tenancy") == "standby":
+            slot = d["domain"]["slot"]
+            return g.W / f"run/gpu0/d{slot}/pipe", g.W / f"run/gpu0/d{slot}/log"
+    return None, None
+
+
+def rss_kib(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def cost_case():
+    """Two busy clients of the shared server with 0, 4, 16 idle standbys waiting in the standby
+    domain (each in mpsr_state_ready on a FIFO nobody writes)."""
+    pipe, logd = standby_domain_pipe()
+    check("cost", pipe is not None, "the standby domain exists")
+    if pipe is None:
+        return {}
+    out = {}
+    sp, sl = str(g.W / "run/gpu0/pipe"), str(g.W / "run/gpu0/log")
+    for n in (0, 4, 16):
+        standbys = []
+        for i in range(n):
+            fifo = g.W / f"cost-fifo-{n}-{i}"
+            if fifo.exists():
+                fifo.unlink()
+            os.mkfifo(fifo)
+            e = {"MPSR_ROLE": "standby", "MPSR_STANDBY_FIFO": str(fifo)}
+            standbys.append(g.Proc("standby", 0, str(pipe), str(logd),
+                                   argv=[str(g.W / "standby_app"), "serve", "64", "60", "idle"], env=e))
+        for p in standbys:
+            p.wait_line("READY", 60)
+        mem = sh("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits").stdout
+        per = {int(a): int(b) for a, b in (l.split(",") for l in mem.strip().splitlines() if "," in l)}
+        sb_mem = [per.get(p.pid) for p in standbys if per.get(p.pid)]
+        sb_rss = [rss_kib(p.pid) for p in standbys if rss_kib(p.pid)]
+        start = time.time() + 2.0
+        busy = [g.Proc("rate", 0, sp, sl, argv=[str(g.W / "mpsr_probe"), "rate", "5", "66", f"{start:.3f}"])
+                for _ in range(2)]
+        rates = []
+        for b in busy:
+            line = b.wait_line("RATE", 60)
+            if line:
+                rates.append(float(line[1].split()[1]))
+        for p in standbys:
+            p.p.kill()
+            p.wait(10)
+        out[f"standbys_{n}"] = {
+            "busy_kernels_per_s": rates, "sum": round(sum(rates), 1),
+            "gpu_mib_per_standby": round(statistics.mean(sb_mem), 1) if sb_mem else None,
+            "host_rss_mib_per_standby": round(statistics.mean(sb_rss) / 1024, 1) if sb_rss else None,
+        }
+        say(f"  {n} idle standbys: busy clients {rates} kernels/s; per standby "
+            f"{out[f'standbys_{n}']['gpu_mib_per_standby']} MiB GPU, {out[f'standbys_{n}']['host_rss_mib_per_standby']} MiB RSS")
+    base = out.get("standbys_0", {}).get("sum")
+    for n in (4, 16):
+        if base and out.get(f"standbys_{n}", {}).get("sum"):
+            out[f"standbys_{n}"]["ratio_to_none"] = round(out[f"standbys_{n}"]["sum"] / base, 3)
+    return out
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    serve_runs = int(os.environ.get("SERVE_RUNS", "5"))
+    W = g.setup("standby_proof.log", "/tmp/mpsr-gpu3")
+    say(f"GPU: {sh('nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader').stdout.strip()}")
+    inc = g.ROOT / "state-lib/include"
+    nv = sh(f"nvcc -O2 -arch=sm_90 -I{inc} -o {W}/standby_app {g.ROOT}/tests/gpu/cuda/standby_app.cu "
+            f"-L{g.BIN} -lmpsr_state -Xlinker -rpath={g.BIN}", timeout=300)
+    nv2 = sh(f"nvcc -O2 -arch=sm_90 -o {W}/mpsr_probe {g.ROOT}/tests/gpu/cuda/mpsr_probe.cu", timeout=300)
+    if nv.returncode or nv2.returncode:
+        say("nvcc failed: " + nv.stderr + nv2.stderr)
+        return g.finish_common("standby_proof.json")
+    cfg = g.write_agent_config(f'[keeper]\nmax_bytes_per_job = "8G"\nsnapshot_dir = "{W}/snapshots"\n'
+                               '[standby]\nmax_per_gpu = 32\n')
+    # The standby domain must outlive the takeover cases for the cost case.
+    cfg.write_text(cfg.read_text().replace("[mps]\n", "[mps]\ndomain_linger_s = 3600\n"))
+    log = open(g.OUT / "agent.log", "a")
+    agent = start_agent(cfg, log)
+    end = time.time() + 30
+    while g.keeper_pid(W / "run/gpu0/keeper.sock") is None and time.time() < end:
+        time.sleep(0.2)
+    check("setup", agent is not None and g.keeper_pid(W / "run/gpu0/keeper.sock") is not None,
+          "agent and state keeper up")
+    kmsg = g.Kmsg()
+    only = os.environ.get("STANDBY_PROOF_ONLY", "takeover,serving,cost").split(",")
+    try:
+        if "takeover" in only:
+            RESULTS["takeover"] = takeover_cases(kmsg, n)
+        if "serving" in only and serve_runs:
+            say("=== PyTorch serving across a neighbour's Xid 43")
+            RESULTS["serving"] = serving_case(kmsg, serve_runs)
+        if "cost" in only:
+            say("=== cost of waiting standbys")
+            if standby_domain_pipe()[0] is None:
+                # Made by the first standby prepared: one short takeover case makes it.
+                one_fault(kmsg, 2999, "trap", True, [g.W / "standby_app", "serve", 64, 5])
+            RESULTS["cost"] = cost_case()
+    finally:
+        if agent:
+            agent.terminate()
+            agent.wait(20)
+        rc = g.finish_common("standby_proof.json")
+    print(json.dumps({k: v for k, v in RESULTS.items() if k != "cases"}, indent=1, default=str)[:20000])
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
