@@ -141,6 +141,7 @@ impl Agent {
                 correlator: Correlator::new(window),
                 recovering: BTreeMap::new(),
                 recent_exits: VecDeque::new(),
+                moved: Vec::new(),
                 journal_pending: Vec::new(),
                 next_seq: last_seq + 1,
             }),

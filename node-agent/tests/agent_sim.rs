@@ -2180,9 +2180,11 @@ fn decisions_reach_journald_with_their_fields() {
             continue;
         };
         let entry = journal_fields(&buf[..n]);
-        // The first decision may still await the domain; the one naming the hit job counts.
+        // The first decision may still await the domain, or come from the server's line before
+        // the Xid; the one naming the hit job and the Xid counts.
         if entry.get("MESSAGE").map(String::as_str) == Some("decision")
             && entry.get("MPSR_HIT").is_some_and(|h| h.contains("61"))
+            && entry.get("MPSR_XIDS").is_some_and(|x| x != "[]")
         {
             break entry;
         }
@@ -2254,6 +2256,18 @@ fn standby_task(e: &Env, job: u32) -> (Proc, PathBuf) {
     (sup, err)
 }
 
+/// The armed standby of a job's task, as status shows it.
+fn armed_standby(e: &Env, job: u32) -> Option<u32> {
+    match e.call(&Request::Status).ok()? {
+        Response::Status(s) => s
+            .tasks
+            .iter()
+            .find(|t| t.job_id == job)
+            .and_then(|t| t.standby.map(|(pid, _)| pid)),
+        _ => None,
+    }
+}
+
 fn standby_clients(e: &Env) -> Vec<u32> {
     match e.call(&Request::Status).unwrap() {
         Response::Status(s) => s.gpus[0]
@@ -2270,10 +2284,12 @@ fn standby_clients(e: &Env) -> Vec<u32> {
 fn a_hot_standby_takes_over_a_hit_task_without_a_restart() {
     let e = Env::new("");
     let (sup, err) = standby_task(&e, 51);
-    e.wait_for("the standby attached to the standby domain", |e| {
-        standby_clients(e).len() == 1
-    });
+    e.wait_for(
+        "the standby attached to the standby domain and armed",
+        |e| standby_clients(e).len() == 1 && armed_standby(e, 51).is_some(),
+    );
     let standby = standby_clients(&e)[0];
+    assert_eq!(armed_standby(&e, 51), Some(standby));
     let primary = e.client(0, 30.0, false); // a neighbour's job in the shared server
     e.register(52, primary.id(), &[0], Mode::Requeue, true);
     let killed = e.inject(0, 43, None, Some(0));
@@ -2311,7 +2327,9 @@ fn a_hot_standby_takes_over_a_hit_task_without_a_restart() {
 fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
     let e = Env::new("");
     let (sup, err) = standby_task(&e, 53);
-    e.wait_for("the standby attached", |e| standby_clients(e).len() == 1);
+    e.wait_for("the standby attached and armed", |e| {
+        standby_clients(e).len() == 1 && armed_standby(e, 53).is_some()
+    });
     let standby = standby_clients(&e)[0];
     // SAFETY: kill(2) on a process of this test.
     unsafe { libc::kill(standby as i32, libc::SIGKILL) };

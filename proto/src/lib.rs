@@ -356,6 +356,9 @@ pub struct TaskStatus {
     /// The fault domain of each of its GPUs.
     #[serde(default)]
     pub domains: Vec<DomainId>,
+    /// Its armed hot standby: the standby's pid and the domain it waits in.
+    #[serde(default)]
+    pub standby: Option<(u32, DomainId)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -39,6 +39,10 @@ struct Opts {
     /// How long to wait for the GPU's MPS server to be ACTIVE again.
     #[arg(long = "wait-s", value_name = "S", default_value = "120", value_parser = secs)]
     wait: Duration,
+    /// After a standby took over, wait this long before preparing the next one: starting a
+    /// process and its CUDA context beside the task's first steps would slow them down.
+    #[arg(long = "standby-delay-ms", value_name = "MS", default_value = "3000", value_parser = millis)]
+    standby_delay: Duration,
     /// The command and its arguments (after `--`, or from the first word that is not an option).
     #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     cmd: Vec<String>,
@@ -261,15 +265,25 @@ fn kill(pid: u32, sig: libc::c_int) {
     unsafe { libc::kill(pid as i32, sig) };
 }
 
-/// Waits for any child; its pid and status.
-fn wait_any() -> std::io::Result<(u32, std::process::ExitStatus)> {
+/// Waits for any child, until `until` at most (None: for good); its pid and status, or None when
+/// the time came first.
+fn wait_any(until: Option<Instant>) -> std::io::Result<Option<(u32, std::process::ExitStatus)>> {
     use std::os::unix::process::ExitStatusExt;
     loop {
         let mut st: libc::c_int = 0;
+        let flags = if until.is_some() { libc::WNOHANG } else { 0 };
         // SAFETY: st is a valid out-parameter.
-        let pid = unsafe { libc::waitpid(-1, &mut st, 0) };
+        let pid = unsafe { libc::waitpid(-1, &mut st, flags) };
         if pid > 0 {
-            return Ok((pid as u32, std::process::ExitStatus::from_raw(st)));
+            return Ok(Some((pid as u32, std::process::ExitStatus::from_raw(st))));
+        }
+        if pid == 0 {
+            // WNOHANG: nobody exited yet.
+            match until {
+                Some(t) if Instant::now() >= t => return Ok(None),
+                _ => std::thread::sleep(Duration::from_millis(10)),
+            }
+            continue;
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
@@ -293,26 +307,36 @@ fn main() -> ExitCode {
     let mut restarts = 0u32;
     let mut primary: Option<u32> = None;
     let mut standby: Option<u32> = None;
+    // When the next standby may start: at once, or a while after a takeover (starting a process
+    // and its CUDA context beside the task's first steps would slow them down).
+    let mut standby_due = Instant::now();
+    let mut started = Instant::now();
     loop {
-        let started = Instant::now();
         let p = match primary {
             Some(p) => p,
-            None => match spawn(&o, restarts, &[]) {
-                Ok(p) => p,
-                Err(e) => {
-                    eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);
-                    return ExitCode::from(127);
+            None => {
+                started = Instant::now();
+                match spawn(&o, restarts, &[]) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);
+                        return ExitCode::from(127);
+                    }
                 }
-            },
+            }
         };
         primary = Some(p);
         CHILD.store(p as i32, Ordering::SeqCst);
         if let (true, None, Some(t)) = (standby_wanted, standby, task) {
-            match start_standby(&o, t, restarts, p) {
-                Ok(s) => standby = Some(s),
-                Err(e) => {
-                    eprintln!("mpsr-run: no hot standby ({e}); a fault restarts the task instead");
-                    standby_wanted = false;
+            if Instant::now() >= standby_due {
+                match start_standby(&o, t, restarts, p) {
+                    Ok(s) => standby = Some(s),
+                    Err(e) => {
+                        eprintln!(
+                            "mpsr-run: no hot standby ({e}); a fault restarts the task instead"
+                        );
+                        standby_wanted = false;
+                    }
                 }
             }
         }
@@ -323,10 +347,12 @@ fn main() -> ExitCode {
             kill(p, pending);
             standby.inspect(|s| kill(*s, pending));
         }
-        let status = loop {
-            match wait_any() {
-                Ok((pid, st)) if Some(pid) == primary => break st,
-                Ok((pid, st)) if Some(pid) == standby => {
+        let until = (standby_wanted && standby.is_none()).then_some(standby_due);
+        let status = match wait_any(until) {
+            Ok(None) => continue, // time for the standby
+            Ok(Some((pid, st))) if Some(pid) == primary => st,
+            Ok(Some((pid, st))) => {
+                if Some(pid) == standby {
                     eprintln!(
                         "mpsr-run: the hot standby (pid {pid}) ended before any fault (status {}); a fault restarts the task instead",
                         exit_code(st)
@@ -335,11 +361,11 @@ fn main() -> ExitCode {
                     standby_wanted = false;
                     STANDBY.store(0, Ordering::SeqCst);
                 }
-                Ok(_) => {}
-                Err(e) => {
-                    eprintln!("mpsr-run: waiting for {}: {e}", o.cmd[0]);
-                    return ExitCode::from(1);
-                }
+                continue;
+            }
+            Err(e) => {
+                eprintln!("mpsr-run: waiting for {}: {e}", o.cmd[0]);
+                return ExitCode::from(1);
             }
         };
         primary = None;
@@ -348,7 +374,7 @@ fn main() -> ExitCode {
         let end_standby = |standby: Option<u32>| {
             if let Some(s) = standby {
                 kill(s, libc::SIGKILL);
-                let _ = wait_any();
+                let _ = wait_any(None);
             }
         };
         if status.success() || STOPPING.load(Ordering::SeqCst) != 0 {
@@ -363,6 +389,7 @@ fn main() -> ExitCode {
             ResumeVerdict::TakenOver => {
                 // The standby is the task's process now; a new standby is prepared for it.
                 primary = standby.take();
+                standby_due = Instant::now() + o.standby_delay;
                 eprintln!(
                     "mpsr-run: a GPU fault hit the task ({reason}); its hot standby took over"
                 );

@@ -1051,7 +1051,11 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
             .domains
             .iter()
             .any(|d| d.tenancy == "standby" && !d.domain.is_shared());
-        (waiting && text.matches("origin=").count() >= 2).then_some(())
+        let armed = s
+            .tasks
+            .iter()
+            .any(|t| t.job_id == job && t.standby.is_some());
+        (waiting && armed && text.matches("origin=").count() >= 2).then_some(())
     })
     .unwrap();
     let neighbour = c

@@ -61,13 +61,22 @@ impl Agent {
             });
         }
         if released {
-            // The task runs in the standby's domain now: its next fault is that domain's.
+            // The task runs in the standby's domain now: its next fault is that domain's. This
+            // fault's re-decisions still see it where the fault found it.
             let d = r.standby.domain;
             if let Some(t) = st.d.registry.get_mut(r.task) {
+                let from = t
+                    .domain_on(d.gpu)
+                    .unwrap_or(mpsr_proto::DomainId::shared(d.gpu));
                 t.domains.retain(|x| x.gpu != d.gpu);
                 if !d.is_shared() {
                     t.domains.push(d);
                 }
+                st.moved.push(crate::store::state::Moved {
+                    fault_id: r.fault_id,
+                    task: r.task,
+                    from,
+                });
             }
         }
         crate::store::state::push_outcome(

@@ -13,7 +13,16 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
             st.d.registry
                 .tasks()
                 .filter(|t| trusted || t.uid == peer.uid)
-                .map(|t| t.status())
+                .map(|t| {
+                    let mut s = t.status();
+                    s.standby = st
+                        .d
+                        .standbys
+                        .iter()
+                        .find(|sb| sb.task == (t.job_id, t.step_id, t.pid) && sb.armed.is_some())
+                        .map(|sb| (sb.pid(), sb.domain));
+                    s
+                })
                 .collect::<Vec<_>>(),
             st.d.pending.len() as u32,
             st.d.unhealthy.clone(),

@@ -16,6 +16,10 @@ pub enum FaultClass {
     AppMemory,
     /// Application SM/engine exception (13, 43, 45, 68, 109): handled in firmware; kills the GPU's clients.
     AppSm,
+    /// A server's own fatal-error line (or the server seen in FAULT) before any Xid reached the
+    /// agent: an application fault of that server, its Xid still to come. Decided at once (a hot
+    /// standby is released on it); the Xid, when it comes, decides it again with its own class.
+    AppServer,
     /// Hardware error contained by the GPU (94): hit clients die, the GPU stays usable.
     HwContained,
     /// Uncontained or memory hardware error (95, 48, 64, 140): GPU needs a reset; drain.
@@ -27,9 +31,10 @@ pub enum FaultClass {
 }
 
 impl FaultClass {
-    pub const ALL: [FaultClass; 8] = [
+    pub const ALL: [FaultClass; 9] = [
         FaultClass::Info,
         FaultClass::Unknown,
+        FaultClass::AppServer,
         FaultClass::AppMemory,
         FaultClass::AppSm,
         FaultClass::HwContained,
@@ -44,6 +49,7 @@ impl FaultClass {
             FaultClass::Unknown => "unknown",
             FaultClass::AppMemory => "app_memory",
             FaultClass::AppSm => "app_sm",
+            FaultClass::AppServer => "app_server",
             FaultClass::HwContained => "hw_contained",
             FaultClass::HwUncontained => "hw_uncontained",
             FaultClass::Interconnect => "interconnect",
@@ -60,6 +66,7 @@ impl FaultClass {
         match self {
             FaultClass::Info => 0,
             FaultClass::Unknown => 1,
+            FaultClass::AppServer => 2,
             FaultClass::AppMemory => 2,
             FaultClass::AppSm => 3,
             FaultClass::HwContained => 4,
@@ -139,6 +146,7 @@ impl ClassPolicy {
             FaultClass::Unknown => p(R::None, A::None, false, false),
             FaultClass::AppMemory => p(R::Domain, A::Recover, false, true),
             FaultClass::AppSm => p(R::Domain, A::Recover, false, false),
+            FaultClass::AppServer => p(R::Domain, A::Recover, false, false),
             FaultClass::HwContained => p(R::Gpu, A::Recover, false, false),
             FaultClass::HwUncontained => p(R::Gpu, A::RequeueOnly, true, false),
             FaultClass::Interconnect => p(R::Gpu, A::RequeueOnly, true, false),

@@ -100,7 +100,13 @@ pub fn decide(
     node: &str,
     owner_of: impl Fn(u32) -> Option<u32>,
 ) -> Decision {
-    let class = classifier.class_of_all(&ev.xids);
+    // A server that showed the fault before any Xid came: its own application fault, decided
+    // now (the Xid decides it again with its class).
+    let class = if ev.xids.is_empty() && !ev.domains.is_empty() {
+        FaultClass::AppServer
+    } else {
+        classifier.class_of_all(&ev.xids)
+    };
     let policy = classifier.policy(class);
     let by_domain = jobs_by_domain(reg.tasks(), ev.gpu);
     let domain_of_job = |job: u32| {
@@ -298,6 +304,29 @@ mod tests {
 
     fn run(e: &FaultEvent) -> Decision {
         decide(e, &reg(), &Classifier::default(), "n1", owner)
+    }
+
+    #[test]
+    fn a_servers_fatal_line_before_any_xid_is_decided_as_its_application_fault() {
+        let mut e = ev(0, &[]);
+        e.sources = [Source::MpsLog].into();
+        let d = run(&e);
+        assert_eq!(d.class, FaultClass::AppServer);
+        assert_eq!(d.hit, [1, 2, 3, 5].into());
+        assert!(d.actions.contains(&Action::Requeue { job_id: 1 }));
+        assert!(d.actions.contains(&Action::Resume {
+            job_id: 2,
+            step_id: 0,
+            pid: 201
+        }));
+        assert!(!d
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::DrainNode { .. })));
+        // No server showed anything and no Xid: not a fault to act on.
+        let mut e = ev(0, &[]);
+        e.domains.clear();
+        assert!(run(&e).hit.is_empty());
     }
 
     #[test]

@@ -85,6 +85,7 @@ impl Task {
                 .iter()
                 .filter_map(|g| self.domain_on(*g))
                 .collect(),
+            standby: None,
         }
     }
 }

@@ -318,9 +318,21 @@ pub struct State {
     /// reported, so a victim may deregister before the fault's first signal arrives: it still
     /// counts as hit for a short while.
     pub recent_exits: VecDeque<(Instant, crate::store::registry::Task)>,
+    /// Tasks whose standby took over during a fault still open: for that fault's re-decisions
+    /// they are where the fault found them (the hit set of one fault does not change because a
+    /// hit task moved to its standby's domain).
+    pub moved: Vec<Moved>,
     /// Registry changes not yet in the journal file.
     pub journal_pending: Vec<crate::store::journal::Entry>,
     pub next_seq: u64,
+}
+
+/// A task that took over, moved from `from` while fault `fault_id` was being decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moved {
+    pub fault_id: u64,
+    pub task: crate::store::registry::TaskKey,
+    pub from: DomainId,
 }
 
 impl State {
