@@ -52,6 +52,17 @@ fn protected_batch_job(c: &Cluster, first_s: u32) -> u32 {
     id
 }
 
+/// The job's AdminComment (the multi-line `scontrol show job` gives it a line of its own).
+fn admin_comment(c: &Cluster, job: u32) -> String {
+    let out = c.cmd(&format!("scontrol show job {job}")).unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("AdminComment="))
+        .unwrap_or_default()
+        .trim_end()
+        .to_string()
+}
+
 fn not_drained(c: &Cluster, node: &str) -> bool {
     !c.node(node)
         .get("State")
@@ -877,6 +888,17 @@ fn a_job_hit_in_each_of_its_runs_is_requeued_each_time() {
     c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
     assert_eq!(c.job_field(id, "Restarts"), "2");
     assert!(c.job_output(id).contains("run 2"), "{}", c.job_output(id));
+    // Each hit run left its line where Slurm shows the job.
+    let comment = admin_comment(&c, id);
+    assert_eq!(
+        comment.matches("mpsr: fault").count(),
+        2,
+        "AdminComment: {comment}"
+    );
+    assert!(
+        comment.contains("xid 31 (app_memory) on n1 gpu") && comment.contains("requeued"),
+        "AdminComment: {comment}"
+    );
     assert!(not_drained(&c, "n1"));
 }
 
@@ -1085,6 +1107,22 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
     );
     c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
     assert_eq!(c.job_field(job, "Restarts"), "0");
+    // The fault in Slurm's own view of each job, and on the task's stderr.
+    let comment = admin_comment(&c, job);
+    assert!(
+        comment.contains("mpsr: fault") && comment.contains("victim; its hot standby took over"),
+        "AdminComment: {comment}"
+    );
+    assert!(
+        text.contains("mpsr-run: a GPU fault hit the task (hit by fault"),
+        "{text}"
+    );
+    wait_for("the neighbour's fault line", LONG, || {
+        admin_comment(&c, neighbour)
+            .contains("victim; requeued")
+            .then_some(())
+    })
+    .unwrap();
     wait_for("the neighbour requeued", LONG, || {
         (c.job_field(neighbour, "Restarts") == "1").then_some(())
     })

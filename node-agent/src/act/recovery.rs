@@ -207,20 +207,29 @@ impl Agent {
         if let Some(why) = e.fail {
             return done(ResumeVerdict::Fail, why);
         }
+        // What mpsr-run prints on the task's stderr names the fault as Slurm's views do.
+        let fault = self
+            .state()
+            .history
+            .iter()
+            .rev()
+            .find(|r| r.fault_id == e.fault_id)
+            .map(|r| {
+                let xids: Vec<String> = r.xids.iter().map(|x| x.to_string()).collect();
+                format!("fault {} (xid {}, {})", e.fault_id, xids.join("+"), r.class)
+            })
+            .unwrap_or_else(|| format!("fault {}", e.fault_id));
         match e.takeover {
             Some(Takeover::Releasing(pid)) => {
                 return (
                     ResumeVerdict::Wait,
-                    format!(
-                        "hit by fault {}; standby pid {pid} being released",
-                        e.fault_id
-                    ),
+                    format!("hit by {fault}; standby pid {pid} being released"),
                 )
             }
             Some(Takeover::Released(pid)) => {
                 return done(
                     ResumeVerdict::TakenOver,
-                    format!("hit by fault {}; standby pid {pid} took over", e.fault_id),
+                    format!("hit by {fault}; standby pid {pid} took over"),
                 )
             }
             Some(Takeover::Unavailable) | None => {}
@@ -229,15 +238,12 @@ impl Agent {
         match self.backend.server_state(domain) {
             ServerState::Active | ServerState::Idle => done(
                 ResumeVerdict::Restart,
-                format!(
-                    "hit by fault {} on {domain}; MPS server ACTIVE again",
-                    e.fault_id
-                ),
+                format!("hit by {fault} on {domain}; MPS server ACTIVE again"),
             ),
             ServerState::Lost => done(ResumeVerdict::Fail, format!("gpu{} is lost", e.gpu)),
             s => (
                 ResumeVerdict::Wait,
-                format!("hit by fault {}; {domain} server is {s:?}", e.fault_id),
+                format!("hit by {fault}; {domain} server is {s:?}"),
             ),
         }
     }

@@ -93,6 +93,13 @@ impl ResumeBoard {
     pub fn remove(&mut self, k: crate::store::registry::TaskKey) -> Option<ResumeEntry> {
         self.0.remove(&k)
     }
+    /// A takeover under way or done for a task of `job` hit by fault `fault_id`.
+    pub fn get_job_takeover(&self, job: u32, fault_id: u64) -> Option<Takeover> {
+        self.0
+            .iter()
+            .filter(|((j, _, _), e)| *j == job && e.fault_id == fault_id)
+            .find_map(|(_, e)| e.takeover)
+    }
     /// Forgets every task of a job (its next run starts clean).
     pub fn remove_job(&mut self, job: u32) {
         self.0.retain(|(j, _, _), _| *j != job);

@@ -18,6 +18,16 @@ pub enum SlurmOp {
         node: String,
         reason: String,
     },
+    /// Appends a line to the job's AdminComment (what `scontrol show job` and `sacct` show):
+    /// the fault, the job's part in it and what was done.
+    Annotate {
+        job_id: u32,
+        line: String,
+        /// Slurm's restart count of the run the fault hit: one line per run of a job, however
+        /// many faults a storm brings.
+        #[serde(default)]
+        restarts: Option<u32>,
+    },
 }
 
 impl SlurmOp {
@@ -29,6 +39,14 @@ impl SlurmOp {
                 job_id,
                 restarts_before: Some(r),
             } => Some(ActionKey::RunRequeued {
+                job: *job_id,
+                restarts: *r,
+            }),
+            SlurmOp::Annotate {
+                job_id,
+                restarts: Some(r),
+                ..
+            } => Some(ActionKey::RunAnnotated {
                 job: *job_id,
                 restarts: *r,
             }),
@@ -48,6 +66,10 @@ pub enum ActionKey {
     Drain { fault: u64 },
     /// A requeue of one run of a job (Slurm's restart count) is done: that run gets no second.
     RunRequeued { job: u32, restarts: u32 },
+    /// The job's AdminComment line for one fault.
+    Annotate { fault: u64, job: u32 },
+    /// One run of a job has its AdminComment line: a storm's later faults add none.
+    RunAnnotated { job: u32, restarts: u32 },
     /// A key this version does not know (kept as it was read, matched by equality only).
     Other(String),
 }
@@ -58,6 +80,10 @@ impl std::fmt::Display for ActionKey {
             ActionKey::Requeue { fault, job } => write!(f, "f{fault}:requeue:{job}"),
             ActionKey::Drain { fault } => write!(f, "f{fault}:drain"),
             ActionKey::RunRequeued { job, restarts } => write!(f, "run:{job}:{restarts}:requeued"),
+            ActionKey::Annotate { fault, job } => write!(f, "f{fault}:annotate:{job}"),
+            ActionKey::RunAnnotated { job, restarts } => {
+                write!(f, "run:{job}:{restarts}:annotated")
+            }
             ActionKey::Other(s) => f.write_str(s),
         }
     }
@@ -78,11 +104,19 @@ impl From<String> for ActionKey {
                 .zip(j.parse().ok())
                 .map(|(fault, job)| ActionKey::Requeue { fault, job }),
             [f, "drain"] => fault(f).map(|fault| ActionKey::Drain { fault }),
+            [f, "annotate", j] => fault(f)
+                .zip(j.parse().ok())
+                .map(|(fault, job)| ActionKey::Annotate { fault, job }),
             ["run", j, r, "requeued"] => j
                 .parse()
                 .ok()
                 .zip(r.parse().ok())
                 .map(|(job, restarts)| ActionKey::RunRequeued { job, restarts }),
+            ["run", j, r, "annotated"] => j
+                .parse()
+                .ok()
+                .zip(r.parse().ok())
+                .map(|(job, restarts)| ActionKey::RunAnnotated { job, restarts }),
             _ => None,
         };
         parsed.unwrap_or(ActionKey::Other(s))
@@ -92,6 +126,10 @@ impl From<String> for ActionKey {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PendingAction {
     pub key: ActionKey,
+    /// Not before this wall-clock time (unix ms): a job's fault line waits until the fault's
+    /// class is settled (its Xid may come after the server's line).
+    #[serde(default)]
+    pub not_before_ms: Option<u64>,
     pub fault_id: u64,
     pub op: SlurmOp,
     pub attempts: u32,
@@ -116,6 +154,14 @@ mod tests {
                 ActionKey::RunRequeued {
                     job: 7,
                     restarts: 2,
+                },
+            ),
+            ("f4:annotate:9", ActionKey::Annotate { fault: 4, job: 9 }),
+            (
+                "run:9:1:annotated",
+                ActionKey::RunAnnotated {
+                    job: 9,
+                    restarts: 1,
                 },
             ),
             ("x:y", ActionKey::Other("x:y".into())),

@@ -69,6 +69,7 @@ impl Scontrol {
                     Err(e) => Outcome::Retry(e),
                 }
             }
+            SlurmOp::Annotate { job_id, line, .. } => self.annotate(*job_id, line),
             SlurmOp::Drain { node, reason } => {
                 // Never take over a node someone else drained: keep their reason.
                 match self.node_state(node) {
@@ -88,6 +89,38 @@ impl Scontrol {
                     Err(e) => Outcome::Retry(e),
                 }
             }
+        }
+    }
+
+    /// Appends `line` to the job's AdminComment, keeping what a site put there; done already
+    /// when the comment holds the line (a retry after a crash adds it once).
+    fn annotate(&self, job_id: u32, line: &str) -> Outcome {
+        let id = job_id.to_string();
+        let old = match self.run(&["show", "job", &id]) {
+            Ok((true, out)) => admin_comment(&out),
+            Ok((false, out)) => {
+                return match self.listed(&["show", "job", "-o"], "JobId", &id) {
+                    Ok(false) => Outcome::Permanent(format!("job {job_id} no longer exists")),
+                    _ => Outcome::Retry(out),
+                }
+            }
+            Err(e) => return Outcome::Retry(e),
+        };
+        let new = match appended(&old, line) {
+            Appended::Already => {
+                return Outcome::Done(format!("job {job_id}'s AdminComment has the fault line"))
+            }
+            Appended::Full => return Outcome::Permanent(format!(
+                "job {job_id}'s AdminComment is full ({} bytes); the fault line is in its report",
+                old.len()
+            )),
+            Appended::To(s) => s,
+        };
+        let arg = format!("AdminComment={new}");
+        match self.run(&["update", &format!("JobId={job_id}"), &arg]) {
+            Ok((true, _)) => Outcome::Done(format!("job {job_id}'s AdminComment: {line}")),
+            Ok((false, out)) => Outcome::Retry(out),
+            Err(e) => Outcome::Retry(e),
         }
     }
 
@@ -184,6 +217,43 @@ impl JobFacts {
     }
 }
 
+/// The longest AdminComment the agent writes (Slurm's own limit is larger; a comment that long is
+/// a site's business, not a place for more lines).
+const ADMIN_COMMENT_MAX: usize = 1024;
+
+/// The AdminComment of a job from the multi-line `scontrol show job ID`, where it has a line of
+/// its own (its value may hold spaces); empty when unset.
+fn admin_comment(out: &str) -> String {
+    out.lines()
+        .find_map(|l| l.trim_start().strip_prefix("AdminComment="))
+        .map(|v| v.trim_end().to_string())
+        .filter(|v| v != "(null)")
+        .unwrap_or_default()
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Appended {
+    Already,
+    Full,
+    To(String),
+}
+
+/// `old` with `line` appended (" | " between lines).
+fn appended(old: &str, line: &str) -> Appended {
+    if old.contains(line) {
+        return Appended::Already;
+    }
+    let new = if old.is_empty() {
+        line.to_string()
+    } else {
+        format!("{old} | {line}")
+    };
+    if new.len() > ADMIN_COMMENT_MAX {
+        return Appended::Full;
+    }
+    Appended::To(new)
+}
+
 /// The value of `key=` on a `key=value ...` line.
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace()
@@ -236,6 +306,26 @@ pub fn parse_node_line(out: &str) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fault_line_is_appended_to_what_the_site_put_in_the_admin_comment() {
+        let show = "JobId=7 JobName=x\n   UserId=nobody(65534)\n   AdminComment=site: billing code 42 \n   Comment=(null)\n";
+        assert_eq!(admin_comment(show), "site: billing code 42");
+        assert_eq!(admin_comment("JobId=7\n   JobState=RUNNING\n"), "");
+        assert_eq!(
+            appended("site: billing code 42", "mpsr: fault 3"),
+            Appended::To("site: billing code 42 | mpsr: fault 3".into())
+        );
+        assert_eq!(
+            appended("", "mpsr: fault 3"),
+            Appended::To("mpsr: fault 3".into())
+        );
+        assert_eq!(
+            appended("x | mpsr: fault 3", "mpsr: fault 3"),
+            Appended::Already
+        );
+        assert_eq!(appended(&"s".repeat(1020), "mpsr: fault 3"), Appended::Full);
+    }
 
     #[test]
     fn a_refused_requeue_is_judged_by_the_jobs_fields() {

@@ -19,10 +19,14 @@ impl Agent {
                 let mut st = self.state();
                 loop {
                     let now = Instant::now();
+                    let now_ms = crate::sys::now_ms();
                     let ready =
                         st.d.pending
                             .iter()
-                            .find(|p| not_before.get(&p.key).is_none_or(|t| *t <= now))
+                            .find(|p| {
+                                not_before.get(&p.key).is_none_or(|t| *t <= now)
+                                    && p.not_before_ms.is_none_or(|t| t <= now_ms)
+                            })
                             .cloned();
                     if let Some(p) = ready {
                         break p;
@@ -48,9 +52,10 @@ impl Agent {
                 .execute(&next.op, !next.fresh || next.attempts > 0);
             let mut st = self.state();
             let job = match &next.op {
-                SlurmOp::Requeue { job_id, .. } => Some(*job_id),
+                SlurmOp::Requeue { job_id, .. } | SlurmOp::Annotate { job_id, .. } => Some(*job_id),
                 SlurmOp::Drain { .. } => None,
             };
+            let requeue = matches!(next.op, SlurmOp::Requeue { .. });
             let attempts = next.attempts + 1;
             let finished = match &outcome {
                 Outcome::Done(m) | Outcome::Permanent(m) => Some(m.clone()),
@@ -72,8 +77,10 @@ impl Agent {
             };
             if let Some(msg) = finished {
                 let ok = matches!(outcome, Outcome::Done(_));
-                if let (true, Some(j)) = (ok, job) {
+                if let (true, true, Some(j)) = (ok, requeue, job) {
                     st.d.note_requeued(j, next.fault_id);
+                }
+                if ok {
                     st.d.done_keys.extend(next.op.run_key());
                 }
                 if ok {

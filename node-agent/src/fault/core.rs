@@ -1,0 +1,617 @@
+//! The pure fault core: one signal (already resolved to a GPU index) and the agent's state in, at
+//! most one decision (or re-decision) recorded in that state, and the effects it asks for out.
+//! No threads, no backend, no clock of its own (times come from the signals), no I/O: every
+//! stateful case (storm coalescing, refuted containment, quarantine, victims that exited just
+//! before, write-ahead ordering) is a unit test that runs in microseconds.
+//!
+//! What the state gains: the decision record (history), queued Slurm actions (`pending`, written
+//! to disk before the Slurm worker acts on them), resume verdicts, servers to watch back to
+//! ACTIVE, quarantines, per-job outcome lines. What leaves as [`Effect`]s: what needs a backend
+//! (terminate a client, probe the servers), and what needs the persister or the Slurm worker.
+
+use super::classify::{BlastRadius, Classifier, FaultClass};
+use super::correlate::{FaultEvent, Merge, Signal};
+use super::decide::{decide, Action, Decision};
+use crate::act::slurm::queue::{ActionKey, PendingAction, SlurmOp};
+use crate::domain::{jobs_by_domain, DomainProbe, Policy};
+use crate::store::registry::{Registry, Task, TaskKey};
+use crate::store::state::{
+    push_outcome, Durable, Recovering, ResumeEntry, Standby, State, Takeover,
+};
+use mpsr_proto::{DecisionRecord, DomainId};
+use std::borrow::Cow;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+/// What the core reads besides the state: the admin's settings and the node's name.
+pub struct Ctx<'a> {
+    pub classifier: &'a Classifier,
+    pub policy: &'a Policy,
+    pub node: &'a str,
+    pub faults: &'a crate::config::FaultConfig,
+    pub quarantine_s: u64,
+    pub simulated: bool,
+    /// A process and its ancestors, nearest first (`/proc` in the agent, a table in tests).
+    pub ancestry: &'a dyn Fn(u32) -> Vec<u32>,
+    /// When the worker took the signal up: `decide_us` of the record counts from the fault's
+    /// first signal to this.
+    pub now: Instant,
+}
+
+/// What a signal asks of the world outside the state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// End one client of one server (`terminate_client`).
+    Terminate { domain: DomainId, pid: u32 },
+    /// Ask these domains' servers whether they are in FAULT (no domain has shown the fault yet).
+    Probe(DomainProbe),
+    /// The durable state changed (queued actions, resume verdicts, quarantine): write it, then
+    /// wake the Slurm worker, which acts only once it is on disk (write-ahead).
+    Persist,
+    /// The decision history changed (a record added, replaced or given another source).
+    History,
+    /// A hit task's hot standby takes over: end the primary, then write the release.
+    Release(Release),
+    /// A standby waited in a server that faulted: it is poisoned (its next CUDA call fails) and
+    /// holds that server in FAULT; it is ended (its supervisor runs on without one).
+    EndStandby(Standby),
+}
+
+/// A standby to release, with what fences the old incarnation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    pub fault_id: u64,
+    pub task: TaskKey,
+    pub standby: Standby,
+    /// When the fault's first signal came (the takeover is timed from it).
+    pub first: Instant,
+}
+
+impl Ctx<'_> {
+    /// How long the agent asks the domains' servers which one faulted: most of the correlation
+    /// window, so a server seen in FAULT still joins this fault.
+    pub fn probe_time(&self) -> Duration {
+        Duration::from_millis(self.faults.correlation_window_ms * 4 / 5)
+    }
+
+    /// Whether a task that exited abnormally at `exited` may be a victim of a fault whose first
+    /// signal came at `first`: not if it exited more than `victim_exit_before_ms` before.
+    fn exit_may_be_victim(&self, exited: Instant, first: Instant) -> bool {
+        exited + Duration::from_millis(self.faults.victim_exit_before_ms) >= first
+    }
+}
+
+/// The data path: one signal in, at most one decision (or re-decision) out.
+pub fn on_signal(st: &mut State, ctx: &Ctx, gpu: u32, s: &Signal) -> Vec<Effect> {
+    let State { d, correlator, .. } = st;
+    let merged = correlator.merge(gpu, s, || {
+        d.next_fault_id += 1;
+        d.next_fault_id
+    });
+    let id = match merged {
+        Merge::Ignored => return Vec::new(),
+        Merge::Joined { id, changed: false } => {
+            // Same fault seen by another source: note the source, decide nothing new.
+            let Some(r) = st.history.iter_mut().rev().find(|r| r.fault_id == id) else {
+                return Vec::new();
+            };
+            let n = s.source.name().to_string();
+            if !r.sources.contains(&n) {
+                r.sources.push(n);
+            }
+            if r.reported_pid.is_none() {
+                r.reported_pid = s.reported_pid;
+            }
+            return vec![Effect::History];
+        }
+        Merge::New(id) | Merge::Joined { id, .. } => id,
+    };
+    let Some(ev) = st.correlator.get(id).cloned() else {
+        return Vec::new();
+    };
+    // The registry as it was at the fault: live tasks plus those that exited abnormally from
+    // just before its first signal on (a victim may die before the agent hears of it; an exit
+    // earlier than that is the task's own failure), and tasks whose standby took over during
+    // this fault back where the fault found them. Copied only when there are such tasks.
+    let open = |id: u64| st.correlator.get(id).is_some();
+    st.moved.retain(|m| open(m.fault_id));
+    let exited: Vec<&Task> = st
+        .recent_exits
+        .iter()
+        .filter(|(at, t)| ctx.exit_may_be_victim(*at, ev.first) && t.gpus.contains(&ev.gpu))
+        .map(|(_, t)| t)
+        .collect();
+    let moved: Vec<_> = st.moved.iter().filter(|m| m.fault_id == ev.id).collect();
+    let view: Cow<Registry> = if exited.is_empty() && moved.is_empty() {
+        Cow::Borrowed(&st.d.registry)
+    } else {
+        let mut v = st.d.registry.clone();
+        for t in exited {
+            v.insert_exited(t.clone());
+        }
+        for m in moved {
+            if let Some(t) = v.get_mut(m.task) {
+                t.domains.retain(|d| d.gpu != m.from.gpu);
+                if !m.from.is_shared() {
+                    t.domains.push(m.from);
+                }
+            }
+        }
+        Cow::Owned(v)
+    };
+    let reg: &Registry = &view;
+    let decision = decide(&ev, reg, ctx.classifier, ctx.node, |pid| {
+        (ctx.ancestry)(pid)
+            .into_iter()
+            .find_map(|p| reg.task_by_pid(p).map(|t| t.job_id))
+    });
+    let probe = decision.awaiting_domain.then(|| DomainProbe {
+        fault_id: ev.id,
+        gpu: ev.gpu,
+        domains: jobs_by_domain(reg.tasks(), ev.gpu).into_keys().collect(),
+        until: ev.first + ctx.probe_time(),
+    });
+    let hit = HitTasks::of(reg, ev.gpu);
+    drop(view);
+    let decide_us = ctx.now.saturating_duration_since(ev.first).as_micros() as u64;
+    let mut effects = apply(st, ctx, &ev, &decision, decide_us, &hit);
+    effects.extend(probe.map(Effect::Probe));
+    effects
+}
+
+/// Who the tasks in the decision's view are: owners of jobs, domains of tasks on the GPU.
+struct HitTasks {
+    owners: Vec<(u32, u32)>,
+    slots: Vec<(TaskKey, u32)>,
+}
+
+impl HitTasks {
+    fn of(reg: &Registry, gpu: u32) -> HitTasks {
+        HitTasks {
+            owners: reg
+                .tasks()
+                .map(|t| (t.job_id, t.uid))
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+            slots: reg
+                .tasks_on_gpu(gpu)
+                .map(|t| {
+                    let slot = t.domain_on(gpu).map_or(0, |d| d.slot);
+                    ((t.job_id, t.step_id, t.pid), slot)
+                })
+                .collect(),
+        }
+    }
+
+    fn slot_of(&self, k: TaskKey) -> u32 {
+        self.slots
+            .iter()
+            .find(|(key, _)| *key == k)
+            .map_or(0, |(_, s)| *s)
+    }
+
+    fn owner_of(&self, job: u32) -> Option<u32> {
+        self.owners.iter().find(|(j, _)| *j == job).map(|(_, u)| *u)
+    }
+}
+
+/// Records a decision's actions in the state; returns the effects they need.
+fn apply(
+    st: &mut State,
+    ctx: &Ctx,
+    ev: &FaultEvent,
+    dec: &Decision,
+    decide_us: u64,
+    hit: &HitTasks,
+) -> Vec<Effect> {
+    let mut action_lines = Vec::new();
+    let mut effects = Vec::new();
+    for a in &dec.actions {
+        action_lines.push(a.to_string());
+        match a {
+            Action::TerminateClient { domain, pid } => effects.push(Effect::Terminate {
+                domain: *domain,
+                pid: *pid,
+            }),
+            Action::Requeue { job_id } => {
+                let restarts_before = run_of(st, *job_id);
+                enqueue(
+                    st,
+                    ActionKey::Requeue {
+                        fault: ev.id,
+                        job: *job_id,
+                    },
+                    ev.id,
+                    SlurmOp::Requeue {
+                        job_id: *job_id,
+                        restarts_before,
+                    },
+                );
+            }
+            Action::DrainNode { reason } => {
+                let known = st.d.unhealthy.insert(ev.gpu, (dec.class, reason.clone()));
+                // Already drained for this GPU and class: no second call (a node an admin
+                // resumed meanwhile is drained again by the health check).
+                if known.is_some_and(|(c, _)| c == dec.class) {
+                    continue;
+                }
+                enqueue(
+                    st,
+                    ActionKey::Drain { fault: ev.id },
+                    ev.id,
+                    SlurmOp::Drain {
+                        node: ctx.node.to_string(),
+                        reason: reason.clone(),
+                    },
+                );
+            }
+            Action::Resume {
+                job_id,
+                step_id,
+                pid,
+            } => {
+                let k = (*job_id, *step_id, *pid);
+                // A standby takes over at the first decision; never the culprit's (it would
+                // fault again, in the domain where the other standbys wait).
+                let standby = (dec.culprit_job() != Some(*job_id))
+                    .then(|| take_armed_standby(&mut st.d, k))
+                    .flatten();
+                let line = match &standby {
+                    Some(sb) => format!("standby pid {} released to take over", sb.pid()),
+                    None => "resume in place handed over".to_string(),
+                };
+                hand_to_resume_board(&mut st.d, ev, k, hit.slot_of(k), None, line);
+                if let Some(sb) = standby {
+                    if let Some(e) = st.d.resume.get_mut(k) {
+                        e.takeover = Some(Takeover::Releasing(sb.pid()));
+                    }
+                    effects.push(Effect::Release(Release {
+                        fault_id: ev.id,
+                        task: k,
+                        standby: sb,
+                        first: ev.first,
+                    }));
+                }
+            }
+            Action::FailTask {
+                job_id,
+                step_id,
+                pid,
+                why,
+            } => {
+                let k = (*job_id, *step_id, *pid);
+                let line = format!("not resumed: {why}");
+                hand_to_resume_board(&mut st.d, ev, k, hit.slot_of(k), Some(why.clone()), line);
+            }
+            Action::None { job_id, why } => push_outcome(
+                &mut st.d.outcomes,
+                *job_id,
+                format!("fault {}: no action ({why})", ev.id),
+            ),
+        }
+    }
+    for &job in &dec.hit {
+        let released = st.d.resume.get_job_takeover(job, ev.id).is_some();
+        let line = fault_line(ctx, ev, dec, job, released);
+        annotate(st, ctx, ev, job, line);
+    }
+    for d in watch_servers(st, ctx, ev, dec) {
+        for sb in st.d.drop_standbys(|s| s.domain == d) {
+            effects.push(Effect::EndStandby(sb));
+        }
+    }
+    if let Some((job, _)) = dec.culprit {
+        if let Some(uid) = hit.owner_of(job) {
+            quarantine(st, ctx, ev, job, uid);
+        }
+    }
+    record(st, ctx, ev, dec, decide_us, action_lines);
+    effects.push(Effect::History);
+    effects.push(Effect::Persist);
+    // Releases first: a standby's takeover is the latency a hit task feels.
+    effects.sort_by_key(|e| !matches!(e, Effect::Release(_)));
+    effects
+}
+
+/// Slurm's restart count of the job's run the fault hit, when known: the one requeue that run
+/// gets is keyed by it.
+fn run_of(st: &State, job: u32) -> Option<u32> {
+    st.d.registry
+        .tasks()
+        .chain(st.recent_exits.iter().map(|(_, t)| t))
+        .filter(|t| t.job_id == job)
+        .map(|t| t.restart_count)
+        .chain(st.d.running.get(&job).map(|r| r.restart_count))
+        .max()
+}
+
+/// Servers expected in FAULT now: the health loop watches them back to ACTIVE. Returns them.
+fn watch_servers(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> Vec<DomainId> {
+    let watched: Vec<DomainId> = match ctx.classifier.policy(dec.class).radius {
+        // Contained: no server faulted.
+        _ if dec.contained => Vec::new(),
+        BlastRadius::Gpu => st.domains_of_gpu(ev.gpu),
+        BlastRadius::Domain => dec.hit_domains.iter().copied().collect(),
+        BlastRadius::None => Vec::new(),
+    };
+    for d in &watched {
+        let r = st.recovering.entry(*d).or_insert(Recovering {
+            fault_id: ev.id,
+            since: ev.first,
+            hit_jobs: BTreeSet::new(),
+            killed: BTreeSet::new(),
+            scanned_at: None,
+            blockers_reported: BTreeSet::new(),
+        });
+        r.hit_jobs.extend(dec.hit.iter().copied());
+    }
+    watched
+}
+
+fn quarantine(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job: u32, uid: u32) {
+    // The wall clock of the fault: quarantine outlives agent restarts.
+    let Some(who) = st.d.domains.quarantine(ctx.policy, job, uid, ev.first_ms) else {
+        return;
+    };
+    tracing::warn!(
+        fault_id = ev.id,
+        job,
+        uid,
+        ?who,
+        "culprit quarantined: placed in a domain of its own on its next run"
+    );
+    push_outcome(
+        &mut st.d.outcomes,
+        job,
+        format!(
+            "fault {}: culprit; quarantined ({who:?}) for {} s: its next run gets a fault domain of its own",
+            ev.id, ctx.quarantine_s
+        ),
+    );
+}
+
+/// The decision record: added, or replacing the earlier decision of the same fault (its outcome
+/// lines are kept).
+fn record(
+    st: &mut State,
+    ctx: &Ctx,
+    ev: &FaultEvent,
+    dec: &Decision,
+    decide_us: u64,
+    actions: Vec<String>,
+) {
+    let record = DecisionRecord {
+        fault_id: ev.id,
+        at_ms: ev.first_ms,
+        gpu: ev.gpu,
+        xids: ev.xids.clone(),
+        class: dec.class.to_string(),
+        sources: ev.sources.iter().map(|s| s.name().to_string()).collect(),
+        reported_pid: ev.reported_pid,
+        culprit: ev.culprit,
+        hit_domains: dec.hit_domains.iter().copied().collect(),
+        culprit_job: dec.culprit_job(),
+        culprit_evidence: dec.culprit.map(|c| c.1),
+        contained: dec.contained,
+        awaiting_domain: dec.awaiting_domain,
+        hit_jobs: dec.hit.iter().copied().collect(),
+        spared_jobs: dec.spared.iter().copied().collect(),
+        actions,
+        decide_us,
+        outcome: Vec::new(),
+    };
+    // One structured line per decision.
+    tracing::info!(
+        target: "mpsr_decision",
+        fault_id = record.fault_id,
+        gpu = record.gpu,
+        xids = ?record.xids,
+        class = %record.class,
+        sources = ?record.sources,
+        reported_pid = ?record.reported_pid,
+        culprit = ?record.culprit,
+        hit_domains = ?record.hit_domains,
+        culprit_job = ?record.culprit_job,
+        awaiting_domain = record.awaiting_domain,
+        hit = ?record.hit_jobs,
+        spared = ?record.spared_jobs,
+        actions = ?record.actions,
+        decide_us = record.decide_us,
+        simulated = ctx.simulated,
+        "decision"
+    );
+    if let Some(old) = st.history.iter_mut().rev().find(|r| r.fault_id == ev.id) {
+        let outcome = std::mem::take(&mut old.outcome);
+        *old = record;
+        old.outcome = outcome;
+    } else {
+        st.history.push_back(record);
+        while st.history.len() > ctx.faults.history {
+            st.history.pop_front();
+        }
+    }
+}
+
+/// Queues a Slurm action unless it (or one that covers it) is queued or done already.
+fn enqueue(st: &mut State, key: ActionKey, fault_id: u64, op: SlurmOp) {
+    if st.d.done_keys.contains(&key) || st.d.pending.iter().any(|p| p.key == key) {
+        return;
+    }
+    // A fault storm hits the same job and node again and again: one requeue per run of a job and
+    // one drain in flight per node, however many faults come (each fault still records the hit).
+    let coalesced = match &op {
+        SlurmOp::Requeue { job_id, .. } => {
+            st.d.pending
+                .iter()
+                .find_map(|p| {
+                    matches!(p.op, SlurmOp::Requeue { job_id: j, .. } if j == *job_id)
+                        .then_some(p.fault_id)
+                })
+                .or_else(|| {
+                    let run = op.run_key()?;
+                    st.d.done_keys
+                        .contains(&run)
+                        .then(|| st.d.requeued.get(job_id).copied().unwrap_or(fault_id))
+                })
+        }
+        SlurmOp::Drain { .. } => {
+            st.d.pending
+                .iter()
+                .find_map(|p| matches!(p.op, SlurmOp::Drain { .. }).then_some(p.fault_id))
+        }
+        // Queued by `annotate`, one per job and fault.
+        SlurmOp::Annotate { .. } => None,
+    };
+    if let Some(earlier) = coalesced {
+        if let SlurmOp::Requeue { job_id, .. } = op {
+            push_outcome(
+                &mut st.d.outcomes,
+                job_id,
+                format!("fault {fault_id}: requeue already under way for fault {earlier}"),
+            );
+        }
+        return;
+    }
+    st.d.pending.push(PendingAction {
+        key,
+        not_before_ms: None,
+        fault_id,
+        op,
+        attempts: 0,
+        last_error: None,
+        fresh: true,
+    });
+}
+
+/// Queues (or, on a re-decision, rewrites while still queued) the line a hit job's AdminComment
+/// gets; sent once the correlation window has passed, so the fault's class is settled.
+fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job_id: u32, line: String) {
+    let key = ActionKey::Annotate {
+        fault: ev.id,
+        job: job_id,
+    };
+    let restarts = run_of(st, job_id);
+    let op = SlurmOp::Annotate {
+        job_id,
+        line,
+        restarts,
+    };
+    if st.d.done_keys.contains(&key) {
+        return;
+    }
+    if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == key) {
+        p.op = op;
+        return;
+    }
+    // One line per run of a job: a storm's later faults are in its report, not in Slurm's views.
+    let queued =
+        st.d.pending
+            .iter()
+            .any(|p| matches!(p.op, SlurmOp::Annotate { job_id: j, .. } if j == job_id));
+    if queued || op.run_key().is_some_and(|k| st.d.done_keys.contains(&k)) {
+        return;
+    }
+    st.d.pending.push(PendingAction {
+        key,
+        not_before_ms: Some(ev.first_ms + ctx.faults.correlation_window_ms),
+        fault_id: ev.id,
+        op,
+        attempts: 0,
+        last_error: None,
+        fresh: true,
+    });
+}
+
+/// The job's line in Slurm's own views: the fault, the job's part in it, what was done.
+fn fault_line(ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job: u32, released: bool) -> String {
+    let xids: Vec<String> = ev.xids.iter().map(|x| x.to_string()).collect();
+    let part = match dec.culprit {
+        Some((j, _)) if j == job => "culprit",
+        _ => "victim",
+    };
+    let done: Vec<String> = dec
+        .actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Requeue { job_id } if *job_id == job => Some("requeued".to_string()),
+            Action::Resume { job_id, .. } if *job_id == job => Some(
+                if released {
+                    "its hot standby took over"
+                } else {
+                    "restarted in place"
+                }
+                .to_string(),
+            ),
+            Action::FailTask { job_id, why, .. } if *job_id == job => {
+                Some(format!("not resumed ({why})"))
+            }
+            Action::None { job_id, why } if *job_id == job => Some(format!("no action ({why})")),
+            _ => None,
+        })
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    format!(
+        "mpsr: fault {} xid {} ({}) on {} gpu{}: {part}; {}",
+        ev.id,
+        if xids.is_empty() {
+            "-".to_string()
+        } else {
+            xids.join("+")
+        },
+        dec.class,
+        ctx.node,
+        ev.gpu,
+        if done.is_empty() {
+            "nothing done".to_string()
+        } else {
+            done.join(", ")
+        }
+    )
+}
+
+/// The task's armed standby, taken off the list (a standby is released once).
+fn take_armed_standby(d: &mut Durable, task: TaskKey) -> Option<Standby> {
+    let i = d
+        .standbys
+        .iter()
+        .position(|s| s.task == task && s.armed.is_some())?;
+    Some(d.standbys.remove(i))
+}
+
+/// Records a hit task's resume verdict (restart, or fail with a reason) and the job's outcome line.
+fn hand_to_resume_board(
+    d: &mut Durable,
+    ev: &FaultEvent,
+    (job_id, step_id, pid): TaskKey,
+    slot: u32,
+    fail: Option<String>,
+    line: String,
+) {
+    // A re-decision of the same fault keeps where the task's standby takeover stands.
+    let takeover = d
+        .resume
+        .get((job_id, step_id, pid))
+        .filter(|e| e.fault_id == ev.id)
+        .and_then(|e| e.takeover);
+    d.resume.insert(
+        (job_id, step_id, pid),
+        ResumeEntry {
+            fault_id: ev.id,
+            gpu: ev.gpu,
+            slot,
+            fail,
+            takeover,
+        },
+    );
+    push_outcome(&mut d.outcomes, job_id, format!("fault {}: {line}", ev.id));
+}
+
+/// Whether the class of `xid` is one the table knows (an unknown one is logged, not acted on).
+pub fn known_xid(classifier: &Classifier, xid: u32) -> bool {
+    classifier.class_of(xid) != FaultClass::Unknown
+}
+
+#[cfg(test)]
+mod tests;
