@@ -220,10 +220,19 @@ impl Agent {
             spawn("telemetry", Box::new(move || a.telemetry_loop(source, det)))?;
         }
         if !self.cfg.telemetry.listen.is_empty() {
+            // Validated at load (networks, token file); an error here means the token file
+            // changed since: serve nobody rather than everybody.
+            let access = self.cfg.telemetry.http_access().unwrap_or_else(|e| {
+                tracing::error!(key = e.key, error = %e.message, "telemetry HTTP serves nobody");
+                crate::api::http_access::Access::default()
+            });
             match tiny_http::Server::http(self.cfg.telemetry.listen.as_str()) {
                 Ok(server) => {
                     let a = self.clone();
-                    spawn("http", Box::new(move || crate::api::http::serve(a, server)))?;
+                    spawn(
+                        "http",
+                        Box::new(move || crate::api::http::serve(a, server, access)),
+                    )?;
                 }
                 // Metrics are not worth failing the fault handling for: say so and go on.
                 Err(e) => tracing::error!(

@@ -90,6 +90,11 @@ pub struct TelemetryConfig {
     pub slow_every: u32,
     /// `/metrics` and `/v1/jobs/<id>` over HTTP, e.g. "127.0.0.1:9410"; empty = off.
     pub listen: String,
+    /// Source networks allowed to read it (CIDR or address); others get 403.
+    pub allow_from: Vec<String>,
+    /// A file holding a bearer token every request must carry (`Authorization: Bearer ...`);
+    /// empty = none. The file must not be readable by group or others.
+    pub bearer_token_file: PathBuf,
     /// Hardware findings make the node unhealthy (the health check drains it with an mpsr: reason).
     pub drain_on_hardware: bool,
     /// Read NIC port counters under `sysfs`.
@@ -108,6 +113,8 @@ impl Default for TelemetryConfig {
             interval_ms: 5_000,
             slow_every: 12,
             listen: String::new(),
+            allow_from: vec!["127.0.0.1/32".into(), "::1/128".into()],
+            bearer_token_file: PathBuf::new(),
             drain_on_hardware: true,
             nic: true,
             sysfs: "/sys".into(),
@@ -118,6 +125,25 @@ impl Default for TelemetryConfig {
 }
 
 impl TelemetryConfig {
+    /// Who may read the HTTP endpoint (validated at load: bad networks and an unreadable or
+    /// world-readable token file are refused there).
+    pub fn http_access(&self) -> Result<crate::api::http_access::Access, KeyError> {
+        use crate::api::http_access::{Access, Net};
+        let mut allow_from = Vec::new();
+        for n in &self.allow_from {
+            allow_from.push(Net::parse(n).ok_or_else(|| KeyError {
+                key: "telemetry.allow_from",
+                message: format!("'{n}' is not a network like 10.0.0.0/8 or an address"),
+            })?);
+        }
+        let token = if self.bearer_token_file.as_os_str().is_empty() {
+            None
+        } else {
+            Some(read_token(&self.bearer_token_file)?)
+        };
+        Ok(Access { allow_from, token })
+    }
+
     /// The rule table with this config's changes.
     pub fn rules(&self) -> Result<Vec<mpsr_telemetry::Rule>, mpsr_telemetry::rules::TuningError> {
         mpsr_telemetry::rules::tuned(self.rules.iter().map(|(k, v)| (k.as_str(), v)))
@@ -367,6 +393,40 @@ impl Default for SimConfig {
 
 pub use mpsr_proto::parse_size;
 
+/// A bad value found outside `validate`: the key and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyError {
+    pub key: &'static str,
+    pub message: String,
+}
+
+/// The bearer token in `path`: its first line, from a file only its owner may read.
+fn read_token(path: &std::path::Path) -> Result<String, KeyError> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad = |message: String| KeyError {
+        key: "telemetry.bearer_token_file",
+        message,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(bad(format!(
+            "{} is readable by others (mode {:o}); chmod 600 it",
+            path.display(),
+            meta.permissions().mode() & 0o777
+        )));
+    }
+    let text =
+        std::fs::read_to_string(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    if token.len() < 16 {
+        return Err(bad(format!(
+            "the token in {} is shorter than 16 characters",
+            path.display()
+        )));
+    }
+    Ok(token)
+}
+
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -417,6 +477,9 @@ impl Config {
                     self.telemetry.listen
                 ),
             ));
+        }
+        if let Err(e) = self.telemetry.http_access() {
+            return Err(bad(e.key, e.message));
         }
         if !(1..=100).contains(&self.mps.default_thread_pct) {
             return Err(bad(

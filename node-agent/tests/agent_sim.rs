@@ -2345,3 +2345,100 @@ fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
     assert!(!std::fs::read_to_string(&err).unwrap().contains("took over"));
     drop(sup);
 }
+
+/// A raw `GET` with optional headers; the status code and body.
+fn http_get_status(port: u16, path: &str, headers: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\n{headers}\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (
+        code,
+        out.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or(out),
+    )
+}
+
+fn wait_http(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "HTTP endpoint did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The metrics port shows job ids, uids and pids (issue 24): only allowed sources get an answer
+/// (loopback by default), and with a token file only requests carrying the token. A token file
+/// others can read is refused at start.
+#[test]
+fn the_metrics_port_answers_only_allowed_sources_with_the_token() {
+    let port = free_port();
+    let e = Env::new(&format!(
+        "[telemetry]\nlisten = \"127.0.0.1:{port}\"\nallow_from = [\"10.0.0.0/8\"]\n"
+    ));
+    wait_http(port);
+    let (code, body) = http_get_status(port, "/metrics", "");
+    assert_eq!(code, 403, "{body}");
+    assert!(!body.contains("hpc_job"), "{body}");
+    drop(e);
+
+    let d = tempfile::tempdir().unwrap();
+    let tok = d.path().join("token");
+    std::fs::write(&tok, "0123456789abcdef0123\n").unwrap();
+    std::fs::set_permissions(&tok, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let port = free_port();
+    let e = Env::new(&format!(
+        "[telemetry]\nlisten = \"127.0.0.1:{port}\"\nbearer_token_file = \"{}\"\n",
+        tok.display()
+    ));
+    wait_http(port);
+    assert_eq!(http_get_status(port, "/metrics", "").0, 401);
+    assert_eq!(
+        http_get_status(
+            port,
+            "/v1/jobs/1",
+            "Authorization: Bearer wrong-token-here\r\n"
+        )
+        .0,
+        401
+    );
+    let (code, body) = http_get_status(
+        port,
+        "/metrics",
+        "Authorization: Bearer 0123456789abcdef0123\r\n",
+    );
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("mpsr_"), "{body}");
+    drop(e);
+
+    // A token others can read is no secret: the agent refuses to start with the key named.
+    std::fs::set_permissions(&tok, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let cfg = d.path().join("a.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "backend = \"sim\"\n[telemetry]\nlisten = \"127.0.0.1:1\"\nbearer_token_file = \"{}\"\n",
+            tok.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_mpsr-agent"))
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("telemetry.bearer_token_file") && err.contains("chmod 600"),
+        "{err}"
+    );
+}

@@ -1,16 +1,36 @@
 //! HTTP for telemetry (`telemetry.listen`, off by default): `GET /metrics` (Prometheus text) and
 //! `GET /v1/jobs/<id>` (a job's ranks here, JSON, for `mpsrctl job-skew` on another node). Read
-//! only; it shows job ids and uids to whoever reaches the address, like dcgm-exporter's job
-//! mapping: bind it to localhost or the cluster's management network.
+//! only. Both show job ids, uids and pids of MPS clients: only the sources in
+//! `telemetry.allow_from` (loopback by default) get an answer, and with
+//! `telemetry.bearer_token_file` only requests carrying the token (`http_access`).
 
+use super::http_access::{Access, Refused};
 use crate::agent::Agent;
 use crate::sys::lock;
 use std::sync::Arc;
 use tiny_http::{Header, Method, Response, Server};
 
-pub fn serve(agent: Arc<Agent>, server: Server) {
+pub fn serve(agent: Arc<Agent>, server: Server, access: Access) {
     for req in server.incoming_requests() {
-        let (status, ctype, body) = route(&agent, req.method(), req.url());
+        let auth = req
+            .headers()
+            .iter()
+            .find(|h| h.field.equiv("Authorization"))
+            .map(|h| h.value.as_str().to_string());
+        let peer = req.remote_addr().map(|a| a.ip());
+        let (status, ctype, body) = match access.check(peer, auth.as_deref()) {
+            Ok(()) => route(&agent, req.method(), req.url()),
+            Err(Refused::Source) => (
+                403,
+                "text/plain",
+                "not an allowed source (telemetry.allow_from)\n".into(),
+            ),
+            Err(Refused::Token) => (
+                401,
+                "text/plain",
+                "a bearer token is needed (telemetry.bearer_token_file)\n".into(),
+            ),
+        };
         let header = Header::from_bytes("Content-Type", ctype).ok();
         let mut resp = Response::from_string(body).with_status_code(status);
         if let Some(h) = header {

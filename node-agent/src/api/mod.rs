@@ -6,11 +6,12 @@
 //! - `socket`: the listening socket, connection limits, framing.
 //! - `dispatch`: who may ask what (one table), and the handler of each request.
 //! - `tasks`, `standby`, `jobs`, `views`, `admin`: the handlers, one module per request family.
-//! - `http`: `/metrics` and the job endpoints.
+//! - `http`: `/metrics` and the job endpoints; `http_access`: who may read them.
 
 mod admin;
 pub mod dispatch;
 pub mod http;
+pub mod http_access;
 mod jobs;
 pub mod socket;
 pub mod standby;

@@ -110,10 +110,12 @@ impl Scontrol {
             Appended::Already => {
                 return Outcome::Done(format!("job {job_id}'s AdminComment has the fault line"))
             }
-            Appended::Full => return Outcome::Permanent(format!(
+            Appended::Full => {
+                return Outcome::Permanent(format!(
                 "job {job_id}'s AdminComment is full ({} bytes); the fault line is in its report",
                 old.len()
-            )),
+            ))
+            }
             Appended::To(s) => s,
         };
         let arg = format!("AdminComment={new}");

@@ -118,6 +118,9 @@ enum Cmd {
         /// The agents' telemetry port (telemetry.listen).
         #[arg(long, default_value_t = 9410)]
         port: u16,
+        /// A file with the bearer token the agents ask for (telemetry.bearer_token_file).
+        #[arg(long)]
+        token_file: Option<std::path::PathBuf>,
     },
     /// Simulated GPUs only.
     Sim {
@@ -180,7 +183,8 @@ fn main() -> std::process::ExitCode {
             job_id,
             nodes,
             port,
-        } => return job_skew(&a, *job_id, nodes, *port, timeout),
+            token_file,
+        } => return job_skew(&a, *job_id, nodes, *port, token_file.as_deref(), timeout),
         _ => {}
     }
     let req = match &a.cmd {
@@ -458,8 +462,16 @@ fn job_skew(
     job: u32,
     nodes: &[String],
     port: u16,
+    token_file: Option<&std::path::Path>,
     timeout: Duration,
 ) -> std::process::ExitCode {
+    let token = match token_file.map(std::fs::read_to_string).transpose() {
+        Ok(t) => t.map(|t| t.lines().next().unwrap_or("").trim().to_string()),
+        Err(e) => {
+            eprintln!("mpsrctl: reading the token file: {e}");
+            return 2.into();
+        }
+    };
     let nodes = if nodes.is_empty() {
         match skew::nodes_of(job, timeout) {
             Ok(n) => n,
@@ -474,7 +486,7 @@ fn job_skew(
     let mut views = Vec::new();
     let mut errors = Vec::new();
     for n in &nodes {
-        match skew::fetch(n, port, job, timeout) {
+        match skew::fetch(n, port, job, token.as_deref(), timeout) {
             Ok(v) => views.push(v),
             Err(e) => errors.push(e),
         }

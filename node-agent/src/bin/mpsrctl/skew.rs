@@ -54,7 +54,13 @@ pub fn nodes_of(job: u32, timeout: Duration) -> Result<Vec<String>, SkewError> {
 }
 
 /// `GET /v1/jobs/<id>` from one node's agent.
-pub fn fetch(node: &str, port: u16, job: u32, timeout: Duration) -> Result<JobView, SkewError> {
+pub fn fetch(
+    node: &str,
+    port: u16,
+    job: u32,
+    token: Option<&str>,
+    timeout: Duration,
+) -> Result<JobView, SkewError> {
     let err = |why: String| SkewError::Fetch {
         node: node.to_string(),
         why,
@@ -71,8 +77,12 @@ pub fn fetch(node: &str, port: u16, job: u32, timeout: Duration) -> Result<JobVi
     })?;
     s.set_read_timeout(Some(timeout)).ok();
     s.set_write_timeout(Some(timeout)).ok();
-    write!(s, "GET /v1/jobs/{job} HTTP/1.0\r\nHost: {node}\r\n\r\n")
-        .map_err(|e| err(e.to_string()))?;
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(
+        s,
+        "GET /v1/jobs/{job} HTTP/1.0\r\nHost: {node}\r\n{auth}\r\n"
+    )
+    .map_err(|e| err(e.to_string()))?;
     let mut buf = Vec::new();
     s.take(16 << 20)
         .read_to_end(&mut buf)
