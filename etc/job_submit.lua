@@ -2,7 +2,7 @@
 mps-resilient's submission check (Slurm job_submit/lua, JobSubmitPlugins=lua in slurm.conf;
 slurmctld reads job_submit.lua from the directory of slurm.conf).
 
-A job asking for --mps-resilient without any GPU (gpu or shard GRES, --gpus*) would only fail
+A job asking for --mps-resilient without any GPU (gpu, shard or mps GRES, --gpus*) would only fail
 when its first task starts: the plugin cannot see the job's GRES in sbatch/salloc. slurmctld
 can, so it is refused here, at submission, with a message the user sees.
 
@@ -30,7 +30,7 @@ local function asks_gpus(job_desc)
       if type(spec) == "string" then
          for item in spec:gmatch("[^,]+") do
             local name = item:gsub("^gres[:/]", ""):match("^([%w_]+)")
-            if name == "gpu" or name == "shard" then
+            if name == "gpu" or name == "shard" or name == "mps" then
                return true
             end
          end
@@ -41,7 +41,7 @@ end
 
 function mpsr_check(job_desc)
    if asks_protection(job_desc) and not asks_gpus(job_desc) then
-      slurm.log_user("mps-resilient: --mps-resilient protects GPU work, but this job asks for no GPU: add --gres=gpu:N, --gres=shard:N or --gpus=N (or drop --mps-resilient)")
+      slurm.log_user("mps-resilient: --mps-resilient protects GPU work, but this job asks for no GPU: add --gres=gpu:N, --gres=shard:N, --gres=mps:N or --gpus=N (or drop --mps-resilient)")
       return slurm.ERROR
    end
    return slurm.SUCCESS

@@ -74,6 +74,7 @@ put 644 etc/scripts.conf etc/mps-resilient/scripts.conf
 put 644 etc/systemd/mps-resilient-agent.service lib/systemd/system/mps-resilient-agent.service
 put 644 etc/job_submit.lua usr/share/mps-resilient/job_submit.lua
 put 644 etc/slurm.conf.snippet usr/share/mps-resilient/slurm.conf.snippet
+put 644 etc/prometheus/mps-resilient.rules.yml usr/share/mps-resilient/prometheus/mps-resilient.rules.yml
 put 644 README.md usr/share/doc/mps-resilient/README.md
 control mps-resilient "libc6, slurm-client" \
   "fault-resilient GPU sharing for Slurm: node agent" \

@@ -142,6 +142,7 @@ impl Agent {
                 recovering: BTreeMap::new(),
                 recent_exits: VecDeque::new(),
                 moved: Vec::new(),
+                totals: Default::default(),
                 journal_pending: Vec::new(),
                 next_seq: last_seq + 1,
             }),

@@ -2442,3 +2442,261 @@ fn the_metrics_port_answers_only_allowed_sources_with_the_token() {
         "{err}"
     );
 }
+
+/// One sample of a Prometheus text exposition: name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
+/// The samples of `/metrics` (comment lines skipped; label values without escapes, as ours are).
+fn samples(text: &str) -> Vec<Sample> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            let (name, labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.strip_suffix('}')?),
+                None => (series, ""),
+            };
+            let labels = labels
+                .split("\",")
+                .filter(|kv| !kv.is_empty())
+                .filter_map(|kv| {
+                    let (k, v) = kv.split_once("=\"")?;
+                    Some((k.to_string(), v.trim_end_matches('"').to_string()))
+                })
+                .collect();
+            Some((name.to_string(), labels, value))
+        })
+        .collect()
+}
+
+fn series(name: &str, labels: &[(String, String)]) -> String {
+    let l: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    format!("{name}{{{}}}", l.join(","))
+}
+
+fn with(labels: &[(String, String)], extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut l: Vec<(String, String)> = labels
+        .iter()
+        .filter(|(k, _)| !extra.iter().any(|(e, _)| e == k))
+        .cloned()
+        .collect();
+    l.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    l.sort();
+    l
+}
+
+/// The shipped Prometheus rules (etc/prometheus) fire on what an agent really exports: a fault
+/// that hit jobs, a GPU held unhealthy, a pathology finding, a straggler rank seen across two
+/// nodes (the series of two nodes written from this agent's own series), an agent not scraped.
+/// `promtool test rules` on series written from a real `/metrics`, so a renamed metric or label
+/// fails here.
+#[test]
+fn the_prometheus_rules_fire_on_what_the_agent_exports() {
+    if Command::new("promtool").arg("--version").output().is_err() {
+        skip("promtool not installed (Debian package prometheus): rules not tested");
+        return;
+    }
+    let port = free_port();
+    let e = Env::new(&format!(
+        "[telemetry]\ninterval_ms = 200\nlisten = \"127.0.0.1:{port}\"\n\
+         [telemetry.rules.straggler]\nwindow_s = 1.0\nclear_s = 1.0\n"
+    ));
+    let a = e.client(0, 120.0, false);
+    let b = e.client(1, 120.0, false);
+    e.register(50, a.id(), &[0], Mode::Requeue, true);
+    e.register(50, b.id(), &[1], Mode::Requeue, true);
+    e.pathology(1, "straggler", Some(b.id()), 120);
+    e.wait_for(
+        "a rank's utilization and the straggler finding in /metrics",
+        |_| {
+            let m = http_get(port, "/metrics");
+            m.contains("mpsr_rank_utilization_ratio{") && m.contains("rule=\"straggler\"")
+        },
+    );
+    let before = samples(&http_get(port, "/metrics"));
+    // A fault that hits job 50 on gpu0; a GPU lost (hardware) on gpu1.
+    e.inject(0, 31, None, Some(0));
+    e.inject(1, 79, None, None);
+    e.wait_for("the faults in /metrics", |_| {
+        let m = http_get(port, "/metrics");
+        m.contains("mpsr_fault_hit_jobs_total{gpu=\"0\"} 1") && m.contains("mpsr_gpu_unhealthy{")
+    });
+    let after = samples(&http_get(port, "/metrics"));
+    let node =
+        |l: &[(String, String)], n: &str| with(l, &[("instance", n), ("job", "mps-resilient")]);
+    let mut input = Vec::new(); // (series, values)
+    let mut expect: Vec<(&str, Vec<(String, String)>)> = Vec::new();
+    for (name, labels, v) in &after {
+        match name.as_str() {
+            "mpsr_fault_hit_jobs_total" => {
+                input.push((series(name, &node(labels, "n1")), format!("0x15 {v}x10")));
+                if *v > 0.0 {
+                    let l = with(&node(labels, "n1"), &[("severity", "warning")]);
+                    expect.push(("MpsrGpuFaultHitJobs", l));
+                }
+            }
+            "mpsr_gpu_unhealthy" => {
+                input.push((series(name, &node(labels, "n1")), "1x25".into()));
+                let keep: Vec<(String, String)> = labels
+                    .iter()
+                    .filter(|(k, _)| k == "gpu" || k == "class")
+                    .cloned()
+                    .collect();
+                let l = with(&keep, &[("instance", "n1"), ("severity", "critical")]);
+                expect.push(("MpsrGpuUnhealthy", l));
+            }
+            "mpsr_slurm_actions_pending" => {
+                input.push((series(name, &node(labels, "n1")), format!("{v}x25")));
+                if *v > 0.0 {
+                    let l = with(&node(labels, "n1"), &[("severity", "warning")]);
+                    expect.push(("MpsrSlurmActionsStuck", l));
+                }
+            }
+            _ => {}
+        }
+    }
+    for (name, labels, _) in &before {
+        match name.as_str() {
+            "mpsr_pathology_active" => {
+                input.push((series(name, &node(labels, "n1")), "1x25".into()));
+                let keep: Vec<(String, String)> = labels
+                    .iter()
+                    .filter(|(k, _)| ["rule", "severity", "gpu", "hpc_job"].contains(&k.as_str()))
+                    .cloned()
+                    .collect();
+                expect.push(("MpsrPathology", with(&keep, &[("instance", "n1")])));
+            }
+            "mpsr_rank_utilization_ratio"
+                if labels.iter().any(|(k, v)| k == "hpc_job" && v == "50") =>
+            {
+                // Job 50's ranks as this node exports them, on n1 at full speed and on n2 with
+                // the gpu1 rank at a fifth of the others.
+                let gpu1 = labels.iter().any(|(k, v)| k == "gpu" && v == "1");
+                input.push((series(name, &node(labels, "n1")), "0.9x25".into()));
+                let slow = if gpu1 { "0.2x25" } else { "0.9x25" };
+                input.push((series(name, &node(labels, "n2")), slow.into()));
+                if gpu1 {
+                    let keep: Vec<(String, String)> = labels
+                        .iter()
+                        .filter(|(k, _)| ["hpc_job", "gpu", "pid"].contains(&k.as_str()))
+                        .cloned()
+                        .collect();
+                    let l = with(&keep, &[("instance", "n2"), ("severity", "warning")]);
+                    expect.push(("MpsrJobStraggler", l));
+                }
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        expect.iter().any(|(a, _)| *a == "MpsrJobStraggler"),
+        "no rank series of job 50 in {before:?}"
+    );
+    input.push((
+        r#"up{instance="n1",job="mps-resilient"}"#.into(),
+        "1x25".into(),
+    ));
+    input.push((
+        r#"up{instance="n3",job="mps-resilient"}"#.into(),
+        "0x25".into(),
+    ));
+    expect.push((
+        "MpsrAgentNotScraped",
+        with(
+            &[],
+            &[
+                ("instance", "n3"),
+                ("job", "mps-resilient"),
+                ("severity", "critical"),
+            ],
+        ),
+    ));
+    // The test file promtool reads (YAML; JSON strings are valid YAML scalars).
+    let rules =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../etc/prometheus/mps-resilient.rules.yml");
+    let q = |s: &str| serde_json::to_string(s).unwrap();
+    let mut t = format!(
+        "rule_files:\n  - {}\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n",
+        q(&rules.display().to_string())
+    );
+    for (s, v) in &input {
+        t += &format!("      - series: {}\n        values: {}\n", q(s), q(v));
+    }
+    t += "    alert_rule_test:\n";
+    let mut names: Vec<&str> = expect.iter().map(|(a, _)| *a).collect();
+    names.extend(["MpsrSlurmActionsStuck"]);
+    names.sort();
+    names.dedup();
+    for name in names {
+        t += &format!("      - eval_time: 20m\n        alertname: {name}\n        exp_alerts:");
+        let mine: Vec<_> = expect.iter().filter(|(a, _)| *a == name).collect();
+        if mine.is_empty() {
+            t += " []\n";
+            continue;
+        }
+        t += "\n";
+        for (_, labels) in mine {
+            t += "          - exp_labels:\n";
+            for (k, v) in labels {
+                t += &format!("              {k}: {}\n", q(v));
+            }
+            t += "            exp_annotations:\n";
+            for (k, v) in annotations(name, labels) {
+                t += &format!("              {k}: {}\n", q(&v));
+            }
+        }
+    }
+    let file = e.path().join("rules.test.yml");
+    std::fs::write(&file, &t).unwrap();
+    let out = Command::new("promtool")
+        .args(["test", "rules"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool test rules:\n{}{}\n{t}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop((a, b));
+}
+
+/// The annotations the shipped rules give an alert with these labels (etc/prometheus).
+fn annotations(alert: &str, labels: &[(String, String)]) -> Vec<(&'static str, String)> {
+    let l = |k: &str| {
+        labels
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    match alert {
+        "MpsrGpuFaultHitJobs" => vec![
+            ("summary", format!("GPU {} of {}: a GPU fault hit jobs in the last 10 minutes", l("gpu"), l("instance"))),
+            ("description", "`mpsrctl events` on the node names the fault, its class and what was done; each hit job's AdminComment has its line.".into()),
+        ],
+        "MpsrGpuUnhealthy" => vec![
+            ("summary", format!("GPU {} of {} has a hardware fault ({}): the node is drained", l("gpu"), l("instance"), l("class"))),
+            ("description", format!("After repairing it: mpsrctl clear-gpu {} (the health check then resumes the node).", l("gpu"))),
+        ],
+        "MpsrPathology" => vec![(
+            "summary",
+            format!("{}: telemetry finding {} ({})", l("instance"), l("rule"), l("severity")),
+        )],
+        "MpsrJobStraggler" => vec![(
+            "summary",
+            format!("Job {}: its rank on {} GPU {} runs below 70% of the job's median", l("hpc_job"), l("instance"), l("gpu")),
+        )],
+        "MpsrAgentNotScraped" => vec![(
+            "summary",
+            format!("The mps-resilient agent of {} cannot be scraped: GPU faults there are not watched", l("instance")),
+        )],
+        "MpsrSlurmActionsStuck" => vec![(
+            "summary",
+            format!("{}: Slurm actions pending for 15 minutes (is slurmctld reachable?)", l("instance")),
+        )],
+        other => panic!("no annotations known for {other}"),
+    }
+}

@@ -191,7 +191,14 @@ pub fn user_init(sp: Spank) {
         restart_count: restart_count(sp),
         gpus,
         contexts,
-        threads: opts.threads,
+        // gres/mps (--gres=mps:N): Slurm set the percentage in the job's environment; it is the
+        // default of a domain of the job's own, as --mps-threads is.
+        threads: opts.threads.or_else(|| {
+            sp.getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+                .ok()
+                .flatten()
+                .and_then(|v| options::parse_threads(&v).ok())
+        }),
         mem: opts.mem,
         isolation: opts.isolation.or(cfg_isolation),
         standby: opts.standby && mode == Mode::Resume,

@@ -380,6 +380,18 @@ fn families(s: &Snapshot) -> Vec<Family> {
                 "mpsr_client_sm_utilization_ratio",
                 "SM utilization NVML reports for one process",
                 false,
+                labels.clone(),
+                u,
+            );
+        }
+        // A job's rank: what `mpsrctl job-skew` and the straggler rule compare (the process's
+        // own utilization, else its GPU's when it is the GPU's only client: under MPS NVML
+        // gives a client none of its own).
+        if let (Some(_), Some(u)) = (c.owner, crate::detect::client_util(&s.tick, c)) {
+            out.add(
+                "mpsr_rank_utilization_ratio",
+                "A job rank's utilization (its own, or its GPU's where it is the only client)",
+                false,
                 labels,
                 u,
             );

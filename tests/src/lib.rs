@@ -40,6 +40,8 @@ pub struct Options {
     pub gpus_per_node: u32,
     /// Shards (GPU slices a job asks for with --gres=shard:N) per GPU.
     pub shards_per_gpu: u32,
+    /// Share GPUs through Slurm's gres/mps (`--gres=mps:N`, 100 per GPU) instead of shards.
+    pub gres_mps: bool,
     /// Extra plugstack.conf arguments.
     pub plugin_args: Vec<String>,
     /// Seconds between slurmd health checks (0 = off).
@@ -58,6 +60,7 @@ impl Default for Options {
             nodes: vec!["n1".into(), "n2".into()],
             gpus_per_node: 2,
             shards_per_gpu: 4,
+            gres_mps: false,
             plugin_args: vec![],
             health_interval_s: 0,
             cred_expire_s: 5,
@@ -383,16 +386,20 @@ impl Cluster {
         let mut gres = String::new();
         for n in &o.nodes {
             let port = free_port()?;
+            let (sharing, per_gpu) = if o.gres_mps {
+                ("mps", 100)
+            } else {
+                ("shard", o.shards_per_gpu)
+            };
             nodes.push_str(&format!(
-                "NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 RealMemory=1000 Gres=gpu:{gpus},shard:{} State=UNKNOWN\n",
-                gpus * o.shards_per_gpu
+                "NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 RealMemory=1000 Gres=gpu:{gpus},{sharing}:{} State=UNKNOWN\n",
+                gpus * per_gpu
             ));
             for g in 0..gpus {
                 let dev = d.join("dev").join(format!("{n}-gpu{g}"));
                 gres.push_str(&format!(
-                    "NodeName={n} Name=gpu File={}\nNodeName={n} Name=shard Count={} File={}\n",
+                    "NodeName={n} Name=gpu File={}\nNodeName={n} Name={sharing} Count={per_gpu} File={}\n",
                     dev.display(),
-                    o.shards_per_gpu,
                     dev.display()
                 ));
             }
@@ -435,7 +442,7 @@ MpiDefault=none
 ReturnToService=2
 KillWait=2
 MinJobAge=600
-GresTypes=gpu,shard
+GresTypes=gpu,{sharing}
 PlugStackConfig={t}/etc/plugstack.conf
 JobSubmitPlugins=lua
 Prolog={t}/etc/prolog.sh
@@ -443,7 +450,8 @@ Epilog={t}/etc/epilog.sh
 {health}{nodes}PartitionName=debug Nodes={list} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 ",
             cred = o.cred_expire_s,
-            list = o.nodes.join(",")
+            list = o.nodes.join(","),
+            sharing = if o.gres_mps { "mps" } else { "shard" }
         );
         write_file(&self.conf, &conf, 0o644)?;
         write_file(&d.join("etc/gres.conf"), &gres, 0o644)?;

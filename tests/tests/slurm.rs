@@ -1129,3 +1129,40 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
     .unwrap();
     assert!(not_drained(&c, "n1"));
 }
+
+/// Slurm's own GPU sharing, gres/mps (issue 23): a job asking `--gres=mps:50 --mps-resilient` is
+/// protected like a shard job: registered on its GPU (from Slurm's environment), Slurm's thread
+/// percentage (50) is what its clients get, and a fault in its server requeues it.
+#[test]
+fn a_gres_mps_job_is_protected_like_a_shard_job() {
+    let Some((_g, c)) = cluster(Options {
+        gres_mps: true,
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let script = "echo \"run ${SLURM_RESTART_COUNT:-0} threads $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE gpu $MPSR_GPU\"\n\
+                  if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then s=1; else s=120; fi\n\
+                  exec mpsr-simclient --seconds $s";
+    let id = c
+        .sbatch("nobody", "-w n1 --gres=mps:50 --mps-resilient", script)
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    let gpus = c.wait_registered("n1", id, 1).unwrap();
+    assert_eq!(gpus.len(), 1);
+    let d = attached_domain(&c, id);
+    assert_eq!(d.gpu, gpus[0]);
+    let killed = c.inject_in("n1", d.gpu, 43, Some(d.slot)).unwrap();
+    assert_eq!(killed.len(), 1, "{killed:?}");
+    wait_for("requeued", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    let out = c.job_output(id);
+    assert!(
+        out.contains("run 0 threads 50") && out.contains("run 1 threads 50"),
+        "{out}"
+    );
+    assert!(admin_comment(&c, id).contains("requeued"));
+}

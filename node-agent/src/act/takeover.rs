@@ -61,6 +61,7 @@ impl Agent {
             });
         }
         if released {
+            st.totals.entry(r.standby.domain.gpu).or_default().takeovers += 1;
             // The task runs in the standby's domain now: its next fault is that domain's. This
             // fault's re-decisions still see it where the fault found it.
             let d = r.standby.domain;

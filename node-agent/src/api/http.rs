@@ -50,11 +50,20 @@ fn route(agent: &Agent, method: &Method, url: &str) -> (u16, &'static str, Strin
     }
     let path = url.split('?').next().unwrap_or("");
     if path == "/metrics" {
-        return (
-            200,
-            TEXT,
-            mpsr_telemetry::metrics::render(&agent.telemetry.exporter),
+        let gpus: Vec<u32> = agent.backend.gpus().iter().map(|g| g.index).collect();
+        let own = super::fault_metrics::render(
+            &agent.state(),
+            &gpus,
+            &agent.node,
+            agent.backend.simulated(),
         );
+        let telemetry = mpsr_telemetry::metrics::render(&agent.telemetry.exporter);
+        // Telemetry's text ends with `# EOF` (OpenMetrics): the agent's families go before it.
+        let body = match telemetry.strip_suffix("# EOF\n") {
+            Some(t) => format!("{t}{own}# EOF\n"),
+            None => format!("{telemetry}{own}"),
+        };
+        return (200, TEXT, body);
     }
     if let Some(id) = path.strip_prefix("/v1/jobs/") {
         let Ok(job) = id.parse::<u32>() else {

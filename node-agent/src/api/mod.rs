@@ -10,6 +10,7 @@
 
 mod admin;
 pub mod dispatch;
+mod fault_metrics;
 pub mod http;
 pub mod http_access;
 mod jobs;

@@ -421,11 +421,19 @@ fn record(
         simulated = ctx.simulated,
         "decision"
     );
+    let totals = st.totals.entry(ev.gpu).or_default();
     if let Some(old) = st.history.iter_mut().rev().find(|r| r.fault_id == ev.id) {
+        totals.hit_jobs += record
+            .hit_jobs
+            .iter()
+            .filter(|j| !old.hit_jobs.contains(j))
+            .count() as u64;
         let outcome = std::mem::take(&mut old.outcome);
         *old = record;
         old.outcome = outcome;
     } else {
+        totals.faults += 1;
+        totals.hit_jobs += record.hit_jobs.len() as u64;
         st.history.push_back(record);
         while st.history.len() > ctx.faults.history {
             st.history.pop_front();

@@ -329,9 +329,23 @@ pub struct State {
     /// they are where the fault found them (the hit set of one fault does not change because a
     /// hit task moved to its standby's domain).
     pub moved: Vec<Moved>,
+    /// What the agent did since it started, per GPU (Prometheus counters: they start at 0 again
+    /// after a restart, which `rate()` and `increase()` handle).
+    pub totals: BTreeMap<u32, FaultTotals>,
     /// Registry changes not yet in the journal file.
     pub journal_pending: Vec<crate::store::journal::Entry>,
     pub next_seq: u64,
+}
+
+/// Counts of one GPU since the agent started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultTotals {
+    /// Faults decided (each once, however often it was decided again).
+    pub faults: u64,
+    /// Jobs those faults hit (a job counted once per fault).
+    pub hit_jobs: u64,
+    /// Hot standbys that took over a hit task.
+    pub takeovers: u64,
 }
 
 /// A task that took over, moved from `from` while fault `fault_id` was being decided.

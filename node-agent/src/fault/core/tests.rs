@@ -34,6 +34,7 @@ impl World {
                 recovering: BTreeMap::new(),
                 recent_exits: VecDeque::new(),
                 moved: Vec::new(),
+                totals: Default::default(),
                 journal_pending: Vec::new(),
                 next_seq: 1,
             },
