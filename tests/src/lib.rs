@@ -799,6 +799,21 @@ gpus = {}
             .unwrap_or_default()
     }
 
+    /// The job's AdminComment (the multi-line `scontrol show job` gives it a line of its own:
+    /// its value may hold spaces).
+    pub fn admin_comment(&self, id: u32) -> String {
+        self.cmd(&format!("scontrol show job {id}"))
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .find_map(|l| l.trim_start().strip_prefix("AdminComment="))
+                    .unwrap_or_default()
+                    .trim_end()
+                    .to_string()
+            })
+            .unwrap_or_default()
+    }
+
     pub fn job_field(&self, id: u32, key: &str) -> String {
         self.job(id).get(key).cloned().unwrap_or_default()
     }

@@ -41,8 +41,13 @@ pub struct Ctx<'a> {
 /// What a signal asks of the world outside the state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
-    /// End one client of one server (`terminate_client`).
-    Terminate { domain: DomainId, pid: u32 },
+    /// End one client of one server (`terminate_client`), once `after` (the culprit job's
+    /// line in Slurm's views: a finished job's can no longer be written) is done.
+    Terminate {
+        domain: DomainId,
+        pid: u32,
+        after: Option<ActionKey>,
+    },
     /// Ask these domains' servers whether they are in FAULT (no domain has shown the fault yet).
     Probe(DomainProbe),
     /// The durable state changed (queued actions, resume verdicts, quarantine): write it, then
@@ -213,6 +218,9 @@ fn apply(
             Action::TerminateClient { domain, pid } => effects.push(Effect::Terminate {
                 domain: *domain,
                 pid: *pid,
+                after: dec
+                    .culprit_job()
+                    .map(|job| ActionKey::Annotate { fault: ev.id, job }),
             }),
             Action::Requeue { job_id } => {
                 let restarts_before = run_of(st, *job_id);
@@ -294,7 +302,7 @@ fn apply(
     for &job in &dec.hit {
         let released = st.d.resume.get_job_takeover(job, ev.id).is_some();
         let line = fault_line(ctx, ev, dec, job, released);
-        annotate(st, ctx, ev, job, line);
+        annotate(st, ctx, ev, dec, job, line);
     }
     for d in watch_servers(st, ctx, ev, dec) {
         for sb in st.d.drop_standbys(|s| s.domain == d) {
@@ -493,8 +501,11 @@ fn enqueue(st: &mut State, key: ActionKey, fault_id: u64, op: SlurmOp) {
 }
 
 /// Queues (or, on a re-decision, rewrites while still queued) the line a hit job's AdminComment
-/// gets; sent once the correlation window has passed, so the fault's class is settled.
-fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job_id: u32, line: String) {
+/// gets. Sent at once when the class is known; a fault decided on a server's line alone waits for
+/// its Xid (at most the correlation window), so the line names the class.
+fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job_id: u32, line: String) {
+    let not_before_ms = (dec.class == FaultClass::AppServer)
+        .then_some(ev.first_ms + ctx.faults.correlation_window_ms);
     let key = ActionKey::Annotate {
         fault: ev.id,
         job: job_id,
@@ -510,6 +521,7 @@ fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job_id: u32, line: Strin
     }
     if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == key) {
         p.op = op;
+        p.not_before_ms = not_before_ms;
         return;
     }
     // One line per run of a job: a storm's later faults are in its report, not in Slurm's views.
@@ -522,7 +534,7 @@ fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job_id: u32, line: Strin
     }
     st.d.pending.push(PendingAction {
         key,
-        not_before_ms: Some(ev.first_ms + ctx.faults.correlation_window_ms),
+        not_before_ms,
         fault_id: ev.id,
         op,
         attempts: 0,
@@ -551,8 +563,8 @@ fn fault_line(ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job: u32, released: bo
                 }
                 .to_string(),
             ),
-            Action::FailTask { job_id, why, .. } if *job_id == job => {
-                Some(format!("not resumed ({why})"))
+            Action::FailTask { job_id, .. } if *job_id == job => {
+                Some("ended, not restarted".to_string())
             }
             Action::None { job_id, why } if *job_id == job => Some(format!("no action ({why})")),
             _ => None,

@@ -17,6 +17,13 @@ use std::time::Instant;
 /// (logged): the health loop still ends hit clients that outlive the grace.
 const TERMINATIONS_QUEUED: usize = 1024;
 
+/// A client to end, and the Slurm action to wait for first.
+type Termination = (DomainId, u32, Option<crate::act::slurm::queue::ActionKey>);
+
+/// How long a termination waits for the action before it (Slurm may be slow or down: the culprit
+/// of a contained fault computes on scratch data meanwhile and must not run on for long).
+const AFTER_AT_MOST: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Agent {
     pub(crate) fn fault_loop(self: Arc<Self>, rx: Receiver<Signal>) {
         let (tx, terminations) = std::sync::mpsc::sync_channel(TERMINATIONS_QUEUED);
@@ -32,11 +39,27 @@ impl Agent {
         }
     }
 
-    fn terminate_loop(&self, rx: Receiver<(DomainId, u32)>) {
-        while let Ok((domain, pid)) = rx.recv() {
+    fn terminate_loop(&self, rx: Receiver<Termination>) {
+        while let Ok((domain, pid, after)) = rx.recv() {
+            if let Some(key) = after {
+                self.wait_done(&key, AFTER_AT_MOST);
+            }
             if let Err(e) = self.backend.terminate_client(domain, pid) {
                 tracing::warn!(%domain, pid, error = %e, "terminate_client failed");
             }
+        }
+    }
+
+    /// Waits until the Slurm action `key` is done (or gone, or `at_most` has passed).
+    fn wait_done(&self, key: &crate::act::slurm::queue::ActionKey, at_most: std::time::Duration) {
+        let until = Instant::now() + at_most;
+        while Instant::now() < until {
+            let st = self.state();
+            if st.d.done_keys.contains(key) || !st.d.pending.iter().any(|p| &p.key == key) {
+                return;
+            }
+            drop(st);
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
     }
 
@@ -57,7 +80,7 @@ impl Agent {
         }
     }
 
-    fn on_signal(&self, s: Signal, terminations: &SyncSender<(DomainId, u32)>) {
+    fn on_signal(&self, s: Signal, terminations: &SyncSender<Termination>) {
         let Some(gpu) = self.gpu_of(&s) else { return };
         if let Some(x) = s.xid.filter(|x| !core::known_xid(&self.classifier, *x)) {
             tracing::warn!(gpu, xid = x, source = s.source.name(), detail = %s.detail, "unknown Xid: logged, no action (classify it in faults.xid_classes)");
@@ -84,15 +107,17 @@ impl Agent {
                 Effect::Probe(p) => self.request_probe(p),
                 Effect::Release(r) => self.release_standby(r),
                 Effect::EndStandby(sb) => self.end_standby(sb),
-                Effect::Terminate { domain, pid } => match terminations.try_send((domain, pid)) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) => {
-                        tracing::warn!(%domain, pid, "terminations queue full; left to the health loop")
+                Effect::Terminate { domain, pid, after } => {
+                    match terminations.try_send((domain, pid, after)) {
+                        Ok(()) => {}
+                        Err(TrySendError::Full(_)) => {
+                            tracing::warn!(%domain, pid, "terminations queue full; left to the health loop")
+                        }
+                        Err(TrySendError::Disconnected(_)) => {
+                            tracing::warn!(%domain, pid, "terminate worker gone; left to the health loop")
+                        }
                     }
-                    Err(TrySendError::Disconnected(_)) => {
-                        tracing::warn!(%domain, pid, "terminate worker gone; left to the health loop")
-                    }
-                },
+                }
             }
         }
     }

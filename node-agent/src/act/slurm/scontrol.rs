@@ -121,7 +121,13 @@ impl Scontrol {
         let arg = format!("AdminComment={new}");
         match self.run(&["update", &format!("JobId={job_id}"), &arg]) {
             Ok((true, _)) => Outcome::Done(format!("job {job_id}'s AdminComment: {line}")),
-            Ok((false, out)) => Outcome::Retry(out),
+            // Slurm takes no update of a finished job: judged by its state, not the words.
+            Ok((false, out)) => match self.job_facts(job_id) {
+                Ok(Some(f)) if f.state.as_deref().is_some_and(finished) => Outcome::Permanent(
+                    format!("job {job_id} ended before its fault line was written; its report has the fault"),
+                ),
+                _ => Outcome::Retry(out),
+            },
             Err(e) => Outcome::Retry(e),
         }
     }
@@ -217,6 +223,22 @@ impl JobFacts {
             restarts: field(line, "Restarts").and_then(|v| v.parse().ok()),
         }
     }
+}
+
+/// Whether a job state (`JobState=` of `scontrol show job`) is a finished one.
+fn finished(state: &str) -> bool {
+    matches!(
+        state,
+        "COMPLETED"
+            | "FAILED"
+            | "CANCELLED"
+            | "TIMEOUT"
+            | "NODE_FAIL"
+            | "PREEMPTED"
+            | "OUT_OF_MEMORY"
+            | "BOOT_FAIL"
+            | "DEADLINE"
+    )
 }
 
 /// The longest AdminComment the agent writes (Slurm's own limit is larger; a comment that long is

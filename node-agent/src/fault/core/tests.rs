@@ -1,6 +1,7 @@
 //! The fault core's stateful cases, each on a state built by hand and signals with set times.
 
 use super::*;
+use crate::act::slurm::queue::ActionKey;
 use crate::config::FaultConfig;
 use crate::domain::QuarantineRule;
 use crate::fault::correlate::{Correlator, GpuRef, Source};
@@ -199,7 +200,9 @@ fn a_contained_claim_refuted_by_an_xid_is_a_whole_server_fault() {
     // Contained: the culprit's client alone is ended; nobody else is hit, no server watched.
     assert!(e.contains(&Effect::Terminate {
         domain: DomainId::shared(0),
-        pid: 200
+        pid: 200,
+        // Its job's line in Slurm's views first: a finished job's cannot be written.
+        after: Some(ActionKey::Annotate { fault: 1, job: 2 }),
     }));
     assert!(w.st.history[0].contained);
     assert_eq!(w.st.history[0].hit_jobs, vec![2]);
@@ -434,9 +437,10 @@ fn each_run_of_a_hit_job_gets_one_settled_line_for_slurms_views() {
             })
             .collect()
     };
-    // The server's line first: decided as app_server; the Xid settles the class before the line
-    // is sent (it waits the correlation window).
+    // The server's line first: decided as app_server, the line waits (at most the correlation
+    // window) for the Xid, which settles the class and sends it.
     w.feed(w.signal(Source::MpsLog, None, Some(0), 0));
+    assert_eq!(lines(&w)[0].2, Some(1_000_000 + 500), "{:?}", lines(&w));
     w.feed(w.signal(Source::Kmsg, Some(43), None, 20));
     let l = lines(&w);
     assert_eq!(l.len(), 2, "{l:?}");
@@ -445,7 +449,7 @@ fn each_run_of_a_hit_job_gets_one_settled_line_for_slurms_views() {
         (
             1,
             "mpsr: fault 1 xid 43 (app_sm) on n1 gpu0: victim; requeued".to_string(),
-            Some(1_000_000 + 500)
+            None
         )
     );
     // A storm: later faults of the same run add no line.
