@@ -42,6 +42,9 @@ pub struct Options {
     pub shards_per_gpu: u32,
     /// Share GPUs through Slurm's gres/mps (`--gres=mps:N`, 100 per GPU) instead of shards.
     pub gres_mps: bool,
+    /// Track and confine jobs with cgroups as production sites do: proctrack/cgroup,
+    /// task/cgroup + task/affinity, ConstrainDevices=yes (cgroup v1 here).
+    pub cgroup: bool,
     /// Extra plugstack.conf arguments.
     pub plugin_args: Vec<String>,
     /// Seconds between slurmd health checks (0 = off).
@@ -61,6 +64,7 @@ impl Default for Options {
             gpus_per_node: 2,
             shards_per_gpu: 4,
             gres_mps: false,
+            cgroup: false,
             plugin_args: vec![],
             health_interval_s: 0,
             cred_expire_s: 5,
@@ -353,14 +357,22 @@ impl Cluster {
         }
         std::fs::copy(&src.job_submit, self.dir.join("etc/job_submit.lua"))?;
         // Fake GPU device nodes: Slurm's gres/gpu wants character devices to number them.
-        for n in &self.opts.nodes {
+        // Each its own number (NVIDIA's major, 195): with ConstrainDevices, Slurm denies a job
+        // the GPUs it was not given by these numbers, so they must not be any device a job uses.
+        for (ni, n) in self.opts.nodes.iter().enumerate() {
             mkdir(&d.join(n), 0o755)?;
             for g in 0..self.opts.gpus_per_node {
                 let p = d.join("dev").join(format!("{n}-gpu{g}"));
                 let cp = std::ffi::CString::new(p.display().to_string())?;
-                // SAFETY: mknod with a valid path; makes a char device like /dev/null (1:3).
-                let rc =
-                    unsafe { libc::mknod(cp.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+                let minor = 64 + ni as u32 * 16 + g;
+                // SAFETY: mknod with a valid path; a character device no driver answers here.
+                let rc = unsafe {
+                    libc::mknod(
+                        cp.as_ptr(),
+                        libc::S_IFCHR | 0o666,
+                        libc::makedev(195, minor),
+                    )
+                };
                 if rc != 0 {
                     return Err(err(format!(
                         "mknod {}: {}",
@@ -431,8 +443,7 @@ SlurmdPidFile={t}/slurmd.%n.pid
 SlurmctldLogFile={t}/log/slurmctld.log
 SlurmdLogFile={t}/log/slurmd.%n.log
 SlurmdDebug=debug
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
+{tracking}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
@@ -451,10 +462,22 @@ Epilog={t}/etc/epilog.sh
 ",
             cred = o.cred_expire_s,
             list = o.nodes.join(","),
-            sharing = if o.gres_mps { "mps" } else { "shard" }
+            sharing = if o.gres_mps { "mps" } else { "shard" },
+            tracking = if o.cgroup {
+                "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup,task/affinity"
+            } else {
+                "ProctrackType=proctrack/pgid\nTaskPlugin=task/none"
+            }
         );
         write_file(&self.conf, &conf, 0o644)?;
         write_file(&d.join("etc/gres.conf"), &gres, 0o644)?;
+        if o.cgroup {
+            write_file(
+                &d.join("etc/cgroup.conf"),
+                "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nConstrainDevices=yes\nConstrainCores=no\nConstrainRAMSpace=no\n",
+                0o644,
+            )?;
+        }
         self.write_plugstack(&self.opts.plugin_args.clone())?;
         let scripts_conf = format!(
             "MPSRCTL={t}/bin/mpsrctl\nMPSR_SOCKET={t}/%n/agent.sock\nMPSR_REPORT_DIR={t}/%n/reports\nexport SLURM_CONF={t}/etc/slurm.conf\n"

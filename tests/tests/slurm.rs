@@ -37,6 +37,25 @@ fn client_script(first_s: u32, again_s: u32) -> String {
     )
 }
 
+/// A batch script's first lines that keep `bytes` of GPU state named `name` in the keeper: filled
+/// with `byte` on the first run, verified on a requeued one (which exits 1 if it was not kept).
+fn keeps_state(name: &str, bytes: &str, byte: u8) -> String {
+    format!(
+        "if [ \"${{SLURM_RESTART_COUNT:-0}}\" -gt 0 ]; then mpsr-statetool {name} {bytes} --verify {byte} || exit 1; \
+         else mpsr-statetool {name} {bytes} --fill {byte} || exit 1; fi\n"
+    )
+}
+
+/// A task under mpsr-run with a hot standby: the primary fills `model` with `byte` and computes
+/// long; the standby attaches it, waits, verifies it after the takeover and computes briefly.
+fn standby_app(byte: u8) -> String {
+    format!(
+        "if [ \"$MPSR_ROLE\" = standby ]; then mpsr-statetool model 4M --ready --verify {byte} || exit 1; \
+         else mpsr-statetool model 4M --fill {byte} || exit 1; fi; \
+         MPSR_ROLE=primary exec mpsr-simclient --seconds $([ \"$MPSR_ROLE\" = standby ] && echo 2 || echo 120)"
+    )
+}
+
 /// A protected batch job on n1's GPU 0 (as nobody), running and registered with the agent; its
 /// client runs `first_s` seconds on the first run, 1 s on a later one.
 fn protected_batch_job(c: &Cluster, first_s: u32) -> u32 {
@@ -72,8 +91,7 @@ fn xid31_requeues_the_jobs_on_that_gpu_only() {
     let mut gpu0 = Vec::new();
     // The first job keeps state in the GPU's keeper; requeued back onto n1 within the keep time,
     // its second run finds it there.
-    let keeps = "if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then mpsr-statetool ckpt 4M --verify 3 || exit 1; \
-                 else mpsr-statetool ckpt 4M --fill 3 || exit 1; fi\n";
+    let keeps = keeps_state("ckpt", "4M", 3);
     for i in 0..3 {
         let id = c
             .sbatch(
@@ -81,7 +99,7 @@ fn xid31_requeues_the_jobs_on_that_gpu_only() {
                 "-w n1 --gres=shard:1 --mps-resilient=requeue",
                 &format!(
                     "{}{}",
-                    if i == 0 { keeps } else { "" },
+                    if i == 0 { keeps.as_str() } else { "" },
                     client_script(120, 1)
                 ),
             )
@@ -918,8 +936,7 @@ fn a_user_cannot_squat_another_users_job_nor_its_kept_state() {
     let p = c
         .sbatch("nobody", "-w n1 --gres=shard:1", "exec sleep 300")
         .unwrap();
-    let keeps = "if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then mpsr-statetool ckpt 4M --verify 3 || exit 1; \
-                 else mpsr-statetool ckpt 4M --fill 3 || exit 1; fi\n";
+    let keeps = keeps_state("ckpt", "4M", 3);
     let k = c
         .sbatch(
             "nobody",
@@ -1051,9 +1068,7 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
         return;
     };
     let out = c.jobs().join("srun-standby.out");
-    let app = "if [ \"$MPSR_ROLE\" = standby ]; then mpsr-statetool model 8M --ready --verify 9 || exit 1; \
-               else mpsr-statetool model 8M --fill 9 || exit 1; fi; \
-               MPSR_ROLE=primary exec mpsr-simclient --seconds $([ \"$MPSR_ROLE\" = standby ] && echo 2 || echo 120)";
+    let app = standby_app(9);
     let mut srun = c
         .spawn_as(
             "nobody",
@@ -1166,4 +1181,79 @@ fn a_gres_mps_job_is_protected_like_a_shard_job() {
     // (Slurm rewrites the output file for the second run.)
     assert!(out.contains("run 1 threads 50"), "{out}");
     assert!(admin_comment(&c, id).contains("requeued"));
+}
+
+/// Jobs tracked and confined by cgroups as production sites run them (issue 23):
+/// `ProctrackType=proctrack/cgroup`, `TaskPlugin=task/cgroup,task/affinity`,
+/// `ConstrainDevices=yes`. From inside its cgroup a job still reaches its MPS server's pipe
+/// directory and the state keeper; a fault requeues the batch job, which finds its kept state on
+/// its second run; an srun task's hot standby takes over under mpsr-run.
+#[test]
+fn jobs_confined_by_cgroups_are_protected_too() {
+    let Some((_g, c)) = cluster(Options {
+        cgroup: true,
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let keeps = keeps_state("ckpt", "4M", 5);
+    let batch = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &format!(
+                "cat /proc/self/cgroup | grep -E 'freezer|devices' | sed 's/^/cgroup /'\n{keeps}{}",
+                client_script(120, 1)
+            ),
+        )
+        .unwrap();
+    c.wait_job_state(batch, &["RUNNING"], SHORT).unwrap();
+    let out = c.jobs().join("srun-cgroup.out");
+    let app = standby_app(7);
+    let mut srun = c
+        .spawn_as(
+            "nobody",
+            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume --mps-standby mpsr-run -- sh -c '{app}'"),
+            &out,
+        )
+        .unwrap();
+    let srun_job = wait_for("the srun job's standby armed", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        s.tasks
+            .iter()
+            .find(|t| t.job_id != batch && t.standby.is_some())
+            .map(|t| t.job_id)
+    })
+    .unwrap();
+    let gpu = c.wait_registered("n1", batch, 1).unwrap()[0];
+    assert_eq!(c.wait_registered("n1", srun_job, 1).unwrap(), vec![gpu]);
+    wait_for("both clients busy in the shared server", SHORT, || {
+        (c.clients("n1", gpu).len() == 2).then_some(())
+    })
+    .unwrap();
+    let text = c.job_output(batch);
+    assert!(
+        text.contains("cgroup") && text.contains(&format!("job_{batch}")),
+        "the job runs in its cgroup: {text}"
+    );
+    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
+    wait_for("the batch job requeued", LONG, || {
+        (c.job_field(batch, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(status.success(), "srun failed: {text}");
+    assert!(
+        text.contains("its hot standby took over")
+            && text.contains("verified model: every byte is 7"),
+        "{text}"
+    );
+    c.wait_job_state(batch, &["COMPLETED"], LONG).unwrap();
+    let text = c.job_output(batch);
+    assert!(
+        text.contains("origin=Kept") && text.contains("verified ckpt: every byte is 5"),
+        "the requeued job found its kept state from inside its cgroup: {text}"
+    );
+    assert!(not_drained(&c, "n1"));
 }

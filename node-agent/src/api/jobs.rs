@@ -73,18 +73,22 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
     let keepers = agent.keepers.clone();
     std::thread::spawn(move || keepers.job_end(job_id, keep));
     // The epilog hands this to the job's owner: only what the owner may see.
-    let mut rep = rep;
     let own: std::collections::BTreeSet<u32> = match owner {
         Some(uid) => agent.state().d.jobs_of(uid),
         None => [job_id].into(),
     };
-    rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
+    Response::JobReport(redacted(rep, &own))
+}
+
+/// A report as one user may see it: decisions and findings that name only their own jobs.
+fn redacted(mut rep: JobReport, own: &std::collections::BTreeSet<u32>) -> JobReport {
+    rep.faults = rep.faults.iter().filter_map(|r| redact(r, own)).collect();
     rep.pathologies = rep
         .pathologies
         .iter()
-        .filter_map(|p| redact_pathology(p, &own))
+        .filter_map(|p| redact_pathology(p, own))
         .collect();
-    Response::JobReport(rep)
+    rep
 }
 
 pub fn report(agent: &Agent, caller: Caller, job_id: u32) -> Response {
@@ -96,17 +100,11 @@ pub fn report(agent: &Agent, caller: Caller, job_id: u32) -> Response {
             peer.uid
         ));
     }
-    let mut rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
-    if !trusted {
-        let own = st.d.jobs_of(peer.uid);
-        rep.faults = rep.faults.iter().filter_map(|r| redact(r, &own)).collect();
-        rep.pathologies = rep
-            .pathologies
-            .iter()
-            .filter_map(|p| redact_pathology(p, &own))
-            .collect();
+    let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
+    if trusted {
+        return Response::JobReport(rep);
     }
-    Response::JobReport(rep)
+    Response::JobReport(redacted(rep, &st.d.jobs_of(peer.uid)))
 }
 
 fn job_report(
