@@ -52,7 +52,7 @@ fn standby_app(byte: u8) -> String {
     format!(
         "if [ \"$MPSR_ROLE\" = standby ]; then mpsr-statetool model 4M --ready --verify {byte} || exit 1; \
          else mpsr-statetool model 4M --fill {byte} || exit 1; fi; \
-         MPSR_ROLE=primary exec mpsr-simclient --seconds $([ \"$MPSR_ROLE\" = standby ] && echo 2 || echo 120)"
+         MPSR_ROLE=primary exec mpsr-simclient --seconds $([ \"$MPSR_ROLE\" = standby ] && echo 5 || echo 120)"
     )
 }
 
@@ -1126,11 +1126,12 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
     c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
     assert_eq!(c.job_field(job, "Restarts"), "0");
     // The fault in Slurm's own view of each job, and on the task's stderr.
-    let comment = admin_comment(&c, job);
-    assert!(
-        comment.contains("mpsr: fault") && comment.contains("victim; its hot standby took over"),
-        "AdminComment: {comment}"
-    );
+    wait_for("the job's fault line", SHORT, || {
+        admin_comment(&c, job)
+            .contains("victim; its hot standby took over")
+            .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: AdminComment={}", admin_comment(&c, job)));
     assert!(
         text.contains("mpsr-run: a GPU fault hit the task (hit by fault"),
         "{text}"
@@ -1256,4 +1257,125 @@ fn jobs_confined_by_cgroups_are_protected_too() {
         "the requeued job found its kept state from inside its cgroup: {text}"
     );
     assert!(not_drained(&c, "n1"));
+}
+
+/// The hot standby's other paths on real Slurm (issue 21): a standby gone before the fault means
+/// the ordinary restart in place; the culprit's standby is never released (a contained fault,
+/// SIMULATED driver patch: the culprit is failed, its standby not used, its neighbour untouched).
+#[test]
+fn a_lost_standby_means_a_restart_and_a_culprits_standby_is_never_released() {
+    let Some((_g, c)) = cluster(Options {
+        agent_extra: "driver_patch = \"containment\"\n".into(),
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let run_with_standby = |name: &str| {
+        let out = c.jobs().join(format!("{name}.out"));
+        let child = c
+            .spawn_as(
+                "nobody",
+                &format!(
+                    "srun -u -w n1 -J {name} --gres=shard:1 --mps-resilient=resume --mps-standby mpsr-run -- sh -c '{}'",
+                    standby_app(3)
+                ),
+                &out,
+            )
+            .unwrap();
+        let (job, standby) = wait_for(&format!("{name}'s standby armed"), SHORT, || {
+            let s = c.agent_status("n1").ok()?;
+            let o = c.cmd(&format!("squeue -h -n {name} -o %i")).ok()?;
+            let id: u32 = String::from_utf8_lossy(&o.stdout).trim().parse().ok()?;
+            let t = s.tasks.iter().find(|t| t.job_id == id)?;
+            Some((id, t.standby?.0))
+        })
+        .unwrap();
+        (child, out, job, standby)
+    };
+    let neighbour = protected_batch_job(&c, 120);
+
+    // A: its standby dies before the fault; the fault restarts A in place.
+    let (mut a, a_out, a_job, a_standby) = run_with_standby("lost");
+    c.cmd(&format!("kill -9 {a_standby}")).unwrap();
+    wait_for("mpsr-run saw its standby end", SHORT, || {
+        std::fs::read_to_string(&a_out)
+            .ok()?
+            .contains("ended before any fault")
+            .then_some(())
+    })
+    .unwrap();
+    wait_for(
+        "A's primary and the neighbour busy in the shared server",
+        SHORT,
+        || (c.clients("n1", 0).len() == 2).then_some(()),
+    )
+    .unwrap();
+    c.inject_in("n1", 0, 43, Some(0)).unwrap();
+    wait_for("A restarted in place", LONG, || {
+        std::fs::read_to_string(&a_out)
+            .ok()?
+            .contains("restarting in place")
+            .then_some(())
+    })
+    .unwrap();
+    let text = std::fs::read_to_string(&a_out).unwrap();
+    assert!(!text.contains("took over"), "{text}");
+    assert_eq!(c.job_field(a_job, "Restarts"), "0");
+    wait_for("the neighbour requeued", LONG, || {
+        (c.job_field(neighbour, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    let _ = a.kill();
+    c.cmd(&format!("scancel {a_job}")).unwrap();
+
+    // B: the culprit of a contained fault on gpu1, beside a neighbour there.
+    let other = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:2 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(other, &["RUNNING"], SHORT).unwrap();
+    let (mut b, b_out, b_job, b_standby) = run_with_standby("culprit");
+    let gpu = c.wait_registered("n1", b_job, 1).unwrap()[0];
+    assert_eq!(c.wait_registered("n1", other, 1).unwrap(), vec![gpu]);
+    // B's primary: the client of the shared server that is not the other job's task.
+    let other_pid = c
+        .agent_status("n1")
+        .unwrap()
+        .tasks
+        .iter()
+        .find(|t| t.job_id == other)
+        .unwrap()
+        .pid;
+    let primary = wait_for("B's primary attached", SHORT, || {
+        c.clients("n1", gpu).into_iter().find(|p| *p != other_pid)
+    })
+    .unwrap();
+    let killed = c.inject_culprit("n1", gpu, 31, primary).unwrap();
+    assert!(killed.is_empty(), "contained: {killed:?}");
+    let status = wait_for("B's srun ends", LONG, || b.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(&b_out).unwrap();
+    assert!(!status.success(), "the culprit is failed: {text}");
+    assert!(text.contains("not restarting"), "{text}");
+    assert!(
+        !text.contains("took over"),
+        "its standby is never released: {text}"
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{b_standby}")).exists(),
+        "its standby ended with the task"
+    );
+    assert_eq!(
+        c.job_field(other, "JobState"),
+        "RUNNING",
+        "the neighbour runs on"
+    );
+    assert_eq!(c.job_field(other, "Restarts"), "0");
+    assert!(
+        c.admin_comment(b_job).contains("culprit"),
+        "{}",
+        c.admin_comment(b_job)
+    );
 }

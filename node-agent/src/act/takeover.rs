@@ -3,10 +3,10 @@
 //! fault worker right after the decision: this is the latency a hit task feels (the restart path
 //! waits for the faulted server to recover and a new process to start).
 //!
-//! Ordering: the primary pid is killed before the release is written, its descendants right after
-//! (a /proc scan costs milliseconds the standby need not wait for). A primary hit by the fault
-//! cannot write GPU memory any more (its context is poisoned); what it could still do on the host
-//! in those milliseconds is the application's to make idempotent (README, hot standby).
+//! Ordering: the primary and its descendants (read from the kernel's children lists: a few reads)
+//! are killed before the release is written. SIGKILL is delivered, not awaited: a primary hit by
+//! the fault cannot write GPU memory any more (its context is poisoned); what it could still do on
+//! the host in the moment it takes to die is the application's to make idempotent (README).
 
 use crate::agent::Agent;
 use crate::fault::core::Release;
@@ -22,12 +22,22 @@ impl Agent {
         };
         let (primary, primary_ticks) = armed.primary;
         let (standby, standby_ticks) = armed.standby;
+        // The old incarnation and its children (a shell's command, a launcher's workers), found
+        // before it dies: its orphans would be the init process's children after.
+        let family = procfs::alive(primary, primary_ticks)
+            .then(|| procfs::descendants(primary))
+            .flatten();
         let fenced = kill_if_alive(primary, primary_ticks);
+        for p in family.iter().flatten() {
+            kill_if_alive(*p, None);
+        }
         let released = procfs::alive(standby, standby_ticks) && write_release(&r.standby.fifo);
         let ms = r.first.elapsed().as_secs_f64() * 1000.0;
-        // The old incarnation's children (a shell's command, a launcher's workers).
-        for p in procfs::under(&[primary]) {
-            kill_if_alive(p, None);
+        if family.is_none() {
+            // No children lists in this kernel: a scan of /proc, once the standby runs.
+            for p in procfs::under(&[primary]) {
+                kill_if_alive(p, None);
+            }
         }
         let _ = std::fs::remove_file(&r.standby.fifo);
         let (job, step, pid) = r.task;

@@ -35,6 +35,36 @@ pub fn alive(pid: u32, start: Option<u64>) -> bool {
     }
 }
 
+/// The descendants of `pid` (children, theirs, ...), read from each thread's `children` list:
+/// a few reads, not a scan of /proc. `None` where the kernel has no such list.
+pub fn descendants(pid: u32) -> Option<Vec<u32>> {
+    let mut out = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        let tasks = fs::read_dir(format!("/proc/{p}/task")).ok()?;
+        for t in tasks.flatten() {
+            let Ok(list) = fs::read_to_string(t.path().join("children")) else {
+                // The process may have exited meanwhile; a missing list on a live one means the
+                // kernel has none.
+                if fs::metadata(format!("/proc/{p}")).is_ok() && p == pid {
+                    return None;
+                }
+                continue;
+            };
+            for c in list
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                if !out.contains(&c) && out.len() < 4096 {
+                    out.push(c);
+                    todo.push(c);
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
 /// Every live process that is one of `roots` or has one among its ancestors (one scan of
 /// /proc for all of them).
 pub fn under(roots: &[u32]) -> Vec<u32> {
@@ -79,6 +109,35 @@ pub fn ancestry(pid: u32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descendants_are_found_without_a_scan() {
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let pid = sh.id();
+        let mut found = Vec::new();
+        for _ in 0..100 {
+            found = descendants(pid).expect("children lists");
+            if found.len() == 2 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(found.len(), 2, "{found:?}");
+        let mut scanned = under(&[pid]);
+        scanned.retain(|p| *p != pid);
+        scanned.sort_unstable();
+        found.sort_unstable();
+        assert_eq!(found, scanned);
+        for p in found {
+            // SAFETY: kill(2) on this test's own grandchildren.
+            unsafe { libc::kill(p as i32, libc::SIGKILL) };
+        }
+        let _ = sh.kill();
+        let _ = sh.wait();
+    }
 
     #[test]
     fn procfs_self() {

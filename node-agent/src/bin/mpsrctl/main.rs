@@ -348,8 +348,12 @@ fn print_human(r: &Response) {
             }
             for t in &s.tasks {
                 let domains: Vec<String> = t.domains.iter().map(|d| d.to_string()).collect();
+                let standby = t
+                    .standby
+                    .map(|(pid, d)| format!(" standby pid {pid} in {d}"))
+                    .unwrap_or_default();
                 println!(
-                    "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]",
+                    "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]{standby}",
                     t.job_id,
                     mpsr_agent::fault::decide::step_name(t.step_id),
                     t.pid,
