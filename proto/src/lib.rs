@@ -373,6 +373,11 @@ pub struct StatusReply {
     /// from memory and retries; what it decided meanwhile is written once the disk takes it.
     #[serde(default)]
     pub persist_failing: Option<PersistFailure>,
+    /// The agent's release and protocol revision (empty and 0 from agents older than 0.2.0).
+    #[serde(default)]
+    pub agent_version: String,
+    #[serde(default)]
+    pub protocol: u32,
 }
 
 /// The state directory has refused writes since `since_ms` (Unix ms).

@@ -45,6 +45,9 @@ pub struct Options {
     /// Track and confine jobs with cgroups as production sites do: proctrack/cgroup,
     /// task/cgroup + task/affinity, ConstrainDevices=yes (cgroup v1 here).
     pub cgroup: bool,
+    /// Install the previous release's binaries and plugin first (`MPSR_PREV_BUILD_DIR`, made by
+    /// scripts/prev-release.sh); `Cluster::install` upgrades or downgrades later.
+    pub previous_release: bool,
     /// Extra plugstack.conf arguments.
     pub plugin_args: Vec<String>,
     /// Seconds between slurmd health checks (0 = off).
@@ -65,6 +68,7 @@ impl Default for Options {
             shards_per_gpu: 4,
             gres_mps: false,
             cgroup: false,
+            previous_release: false,
             plugin_args: vec![],
             health_interval_s: 0,
             cred_expire_s: 5,
@@ -107,7 +111,36 @@ struct Sources {
     job_submit: PathBuf,
 }
 
+/// Which release's files a cluster runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// This build (or the installed packages).
+    Current,
+    /// The previous release (`MPSR_PREV_BUILD_DIR`).
+    Previous,
+}
+
 impl Sources {
+    fn of(release: Release) -> Result<Sources> {
+        match release {
+            Release::Current => Sources::find(),
+            Release::Previous => {
+                let bin = std::env::var_os("MPSR_PREV_BUILD_DIR")
+                    .filter(|d| !d.is_empty())
+                    .map(PathBuf::from)
+                    .ok_or_else(
+                    || err("MPSR_PREV_BUILD_DIR is not set (bash scripts/prev-release.sh builds it)"),
+                )?;
+                Ok(Sources {
+                    plugin: bin.join(PLUGIN_SO),
+                    bin,
+                    scripts: repo_root().join("scripts/slurm"),
+                    job_submit: repo_root().join("etc/job_submit.lua"),
+                })
+            }
+        }
+    }
+
     fn find() -> Result<Sources> {
         if let Some(r) = std::env::var_os("MPSR_INSTALLED_ROOT") {
             let r = PathBuf::from(r);
@@ -314,7 +347,11 @@ impl Cluster {
                 missing.join(", ")
             )));
         }
-        let src = Sources::find()?;
+        let src = Sources::of(if opts.previous_release {
+            Release::Previous
+        } else {
+            Release::Current
+        })?;
         let base = std::env::var("MPSR_CLUSTER_BASE").unwrap_or_else(|_| "/tmp".into());
         let dir = PathBuf::from(base).join(format!(
             "mpsr-cluster.{}.{}",
@@ -347,14 +384,7 @@ impl Cluster {
             mkdir(&d.join(sub), 0o755)?;
         }
         mkdir(&d.join("jobs"), 0o1777)?;
-        for b in BINARIES {
-            std::fs::copy(src.bin.join(b), self.bin.join(b))
-                .map_err(|e| err(format!("copying {b}: {e}")))?;
-        }
-        std::fs::copy(&src.plugin, self.bin.join("mps_resilient.so"))?;
-        for s in SCRIPTS {
-            std::fs::copy(src.scripts.join(s), self.bin.join(s))?;
-        }
+        self.copy_release(src)?;
         std::fs::copy(&src.job_submit, self.dir.join("etc/job_submit.lua"))?;
         // Fake GPU device nodes: Slurm's gres/gpu wants character devices to number them.
         // Each its own number (NVIDIA's major, 195): with ConstrainDevices, Slurm denies a job
@@ -639,6 +669,37 @@ gpus = {}
 
     pub fn agent_socket(&self, node: &str) -> PathBuf {
         self.dir.join(node).join("agent.sock")
+    }
+
+    /// The release's binaries, plugin and scripts into the cluster's bin directory, each written
+    /// beside and renamed over the old (as dpkg does: running programs keep their old file).
+    fn copy_release(&self, src: &Sources) -> Result<()> {
+        let put = |from: &Path, name: &str| -> Result<()> {
+            let tmp = self.bin.join(format!(".{name}.new"));
+            std::fs::copy(from, &tmp).map_err(|e| err(format!("copying {name}: {e}")))?;
+            std::fs::rename(&tmp, self.bin.join(name))?;
+            Ok(())
+        };
+        for b in BINARIES {
+            put(&src.bin.join(b), b)?;
+        }
+        put(&src.plugin, "mps_resilient.so")?;
+        for s in SCRIPTS {
+            put(&src.scripts.join(s), s)?;
+        }
+        Ok(())
+    }
+
+    /// Installs a release over the running one (a package upgrade or downgrade) and restarts
+    /// every node's agent as its unit would (SIGTERM, start): running jobs keep their processes
+    /// and the plugin their slurmstepd loaded.
+    pub fn install(&mut self, release: Release) -> Result<()> {
+        self.copy_release(&Sources::of(release)?)?;
+        for n in self.opts.nodes.clone() {
+            self.stop_agent(&n, false);
+            self.start_agent(&n)?;
+        }
+        Ok(())
     }
 
     pub fn start_agent(&mut self, node: &str) -> Result<()> {

@@ -1379,3 +1379,125 @@ fn a_lost_standby_means_a_restart_and_a_culprits_standby_is_never_released() {
         c.admin_comment(b_job)
     );
 }
+
+/// A rolling upgrade and a downgrade with jobs running (issue 24). The node runs the previous
+/// release (0.1.0: agent, plugin, mpsr-run, state library); a batch job keeps state and an srun
+/// task runs under that mpsr-run. The packages of this release are installed and the agent
+/// restarted as its unit would: the old processes and the old plugin in slurmstepd talk to the new
+/// agent; a fault requeues the batch job (its second run finds its kept state) and restarts the
+/// task in place. Then back to 0.1.0 while a task of this release runs: the new mpsr-run with the
+/// old agent restarts it in place after a fault. The compatibility promise is in README.
+#[test]
+fn a_rolling_upgrade_and_a_downgrade_keep_running_jobs_protected() {
+    use mpsr_e2e::Release;
+    if std::env::var_os("MPSR_PREV_BUILD_DIR").is_none_or(|d| d.is_empty()) {
+        skip("MPSR_PREV_BUILD_DIR not set: the previous release was not built (scripts/prev-release.sh)");
+        return;
+    }
+    if std::env::var_os("MPSR_SLURM_ROOT").is_some() {
+        skip("the previous release's plugin is built against this host's Slurm (22.05) only");
+        return;
+    }
+    let Some((_g, mut c)) = cluster(Options {
+        previous_release: true,
+        ..Options::default()
+    }) else {
+        return;
+    };
+    assert_eq!(
+        c.agent_status("n1").unwrap().agent_version,
+        "",
+        "0.1.0 does not say its version"
+    );
+    let resume_task = |c: &Cluster, name: &str| {
+        let out = c.jobs().join(format!("{name}.out"));
+        let child = c
+            .spawn_as(
+                "nobody",
+                &format!("srun -u -w n1 -J {name} --gres=shard:1 --mps-resilient=resume mpsr-run -- sh -c 'echo attempt $MPSR_RESTARTS; if [ $MPSR_RESTARTS = 0 ]; then mpsr-statetool model 4M --fill 9 || exit 1; else mpsr-statetool model 4M --verify 9 || exit 1; fi; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'"),
+                &out,
+            )
+            .unwrap();
+        let job = wait_for(&format!("{name} running"), SHORT, || {
+            let o = c.cmd(&format!("squeue -h -n {name} -t R -o %i")).ok()?;
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<u32>()
+                .ok()
+        })
+        .unwrap();
+        (child, out, job)
+    };
+    let batch = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &format!("{}{}", keeps_state("ckpt", "4M", 5), client_script(120, 1)),
+        )
+        .unwrap();
+    c.wait_job_state(batch, &["RUNNING"], SHORT).unwrap();
+    let (mut old_task, old_out, old_job) = resume_task(&c, "old");
+    for j in [batch, old_job] {
+        assert_eq!(c.wait_registered("n1", j, 1).unwrap(), vec![0], "job {j}");
+    }
+    wait_for("both clients attached to gpu0's server", SHORT, || {
+        (c.clients("n1", 0).len() == 2).then_some(())
+    })
+    .unwrap();
+
+    // Upgrade: this release's files, the agent restarted; the jobs' processes stay 0.1.0's.
+    c.install(Release::Current).unwrap();
+    let s = c.agent_status("n1").unwrap();
+    assert_eq!(s.agent_version, env!("CARGO_PKG_VERSION"));
+    assert!(
+        [batch, old_job]
+            .iter()
+            .all(|j| s.tasks.iter().any(|t| t.job_id == *j)),
+        "the registrations of 0.1.0 carried over: {s:?}"
+    );
+    c.inject("n1", 0, 43).unwrap();
+    wait_for("the batch job requeued", LONG, || {
+        (c.job_field(batch, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    let status = wait_for("the old task ends", LONG, || {
+        old_task.try_wait().ok().flatten()
+    })
+    .unwrap();
+    let text = std::fs::read_to_string(&old_out).unwrap();
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains("restarting in place (1/3)")
+            && text.contains("verified model: every byte is 9"),
+        "0.1.0's mpsr-run restarted its task through the new agent: {text}"
+    );
+    c.wait_job_state(batch, &["COMPLETED"], LONG).unwrap();
+    let out = c.job_output(batch);
+    assert!(
+        out.contains("origin=Kept") && out.contains("verified ckpt: every byte is 5"),
+        "the requeued job found what it kept under 0.1.0: {out}"
+    );
+
+    // Downgrade: back to 0.1.0 while a task of this release runs.
+    let (mut new_task, new_out, new_job) = resume_task(&c, "new");
+    c.wait_registered("n1", new_job, 1).unwrap();
+    wait_for("its client attached", SHORT, || {
+        (c.clients("n1", 0).len() == 1).then_some(())
+    })
+    .unwrap();
+    c.install(Release::Previous).unwrap();
+    assert_eq!(c.agent_status("n1").unwrap().agent_version, "");
+    c.inject("n1", 0, 43).unwrap();
+    let status = wait_for("the new task ends", LONG, || {
+        new_task.try_wait().ok().flatten()
+    })
+    .unwrap();
+    let text = std::fs::read_to_string(&new_out).unwrap();
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains("restarting in place (1/3)")
+            && text.contains("verified model: every byte is 9"),
+        "this release's mpsr-run restarted its task through 0.1.0's agent: {text}"
+    );
+    assert!(not_drained(&c, "n1"));
+}

@@ -57,6 +57,8 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
         tasks,
         pending_actions: pending,
         persist_failing: agent.persister.failing(),
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        protocol: mpsr_proto::PROTOCOL_VERSION,
     })
 }
 

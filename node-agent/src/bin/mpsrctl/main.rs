@@ -319,6 +319,16 @@ fn print_human(r: &Response) {
         Response::Status(s) => {
             let sim = if s.simulated { " (SIMULATED GPUs)" } else { "" };
             println!("node {} backend {}{sim}", s.node, s.backend);
+            let agent = if s.agent_version.is_empty() {
+                "older than 0.2.0".to_string()
+            } else {
+                format!("{} protocol {}", s.agent_version, s.protocol)
+            };
+            println!(
+                "  agent {agent}; mpsrctl {} protocol {}",
+                env!("CARGO_PKG_VERSION"),
+                mpsr_proto::PROTOCOL_VERSION
+            );
             for g in &s.gpus {
                 println!(
                     "  gpu{} {} pci {} server {:?} clients {:?}{}",
