@@ -52,8 +52,13 @@ struct Args {
     stale: u64,
 }
 
-fn size(s: &str) -> Result<u64, String> {
-    mpsr_proto::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 64G)"))
+/// A `--max-bytes-per-job` value that is not a size.
+#[derive(Debug, thiserror::Error)]
+#[error("'{0}' is not a size (e.g. 512M, 64G)")]
+struct NotASize(String);
+
+fn size(s: &str) -> Result<u64, NotASize> {
+    mpsr_proto::parse_size(s).ok_or_else(|| NotASize(s.to_string()))
 }
 
 fn main() -> std::process::ExitCode {

@@ -44,6 +44,24 @@ struct Server {
     mem_limit: Option<u64>,
 }
 
+/// Why the simulated daemon refused a request (sent to the agent as text: it is for people).
+#[derive(Debug, thiserror::Error)]
+enum SimError {
+    #[error("no simulated GPU {0}")]
+    NoGpu(u32),
+    #[error("no simulated domain {0}")]
+    NoDomain(DomainId),
+    #[error("domain {domain} already serves {}", pipe_dir.display())]
+    Serving { domain: DomainId, pipe_dir: PathBuf },
+    #[error("domain {domain} still has {clients} clients")]
+    HasClients { domain: DomainId, clients: usize },
+    #[error("domain {domain}: {source}")]
+    Io {
+        domain: DomainId,
+        source: std::io::Error,
+    },
+}
+
 impl Server {
     /// Lazily applies the FAULT -> ACTIVE transition.
     fn tick(&mut self) {
@@ -157,10 +175,8 @@ impl SimGpus {
         }
     }
 
-    fn gpu(&self, gpu: u32) -> Result<&Mutex<Gpu>, String> {
-        self.gpus
-            .get(gpu as usize)
-            .ok_or_else(|| format!("no simulated GPU {gpu}"))
+    fn gpu(&self, gpu: u32) -> Result<&Mutex<Gpu>, SimError> {
+        self.gpus.get(gpu as usize).ok_or(SimError::NoGpu(gpu))
     }
 
     /// Serves the control socket until `Quit` (or until the run dir disappears).
@@ -273,20 +289,17 @@ impl SimGpus {
             }
             SimRequest::Subscribe | SimRequest::Quit => Ok(SimReply::Ok),
         };
-        r.unwrap_or_else(SimReply::Error)
+        r.unwrap_or_else(|e| SimReply::Error(e.to_string()))
     }
 
     fn with_server<T>(
         &self,
         d: DomainId,
         f: impl FnOnce(&mut Server, bool) -> T,
-    ) -> Result<T, String> {
+    ) -> Result<T, SimError> {
         let mut g = lock(self.gpu(d.gpu)?);
         let lost = g.lost;
-        let s = g
-            .servers
-            .get_mut(&d.slot)
-            .ok_or_else(|| format!("no simulated domain {d}"))?;
+        let s = g.servers.get_mut(&d.slot).ok_or(SimError::NoDomain(d))?;
         Ok(f(s, lost))
     }
 
@@ -298,18 +311,18 @@ impl SimGpus {
         owner_uid: Option<u32>,
         thread_pct: Option<u8>,
         mem_limit: Option<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), SimError> {
         let mut g = lock(self.gpu(domain.gpu)?);
         if let Some(s) = g.servers.get(&domain.slot) {
             if s.pipe_dir == pipe_dir {
                 return Ok(()); // already serving, like a control daemon that answers
             }
-            return Err(format!(
-                "domain {domain} already serves {}",
-                s.pipe_dir.display()
-            ));
+            return Err(SimError::Serving {
+                domain,
+                pipe_dir: s.pipe_dir.clone(),
+            });
         }
-        let io = |e: std::io::Error| format!("domain {domain}: {e}");
+        let io = |source| SimError::Io { domain, source };
         for d in [&pipe_dir, &log_dir] {
             std::fs::create_dir_all(d).map_err(io)?;
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
@@ -366,16 +379,16 @@ impl SimGpus {
         Ok(())
     }
 
-    fn stop_domain(&self, domain: DomainId) -> Result<(), String> {
+    fn stop_domain(&self, domain: DomainId) -> Result<(), SimError> {
         let mut g = lock(self.gpu(domain.gpu)?);
         let Some(s) = g.servers.get(&domain.slot) else {
             return Ok(()); // already stopped
         };
         if !s.clients.is_empty() {
-            return Err(format!(
-                "domain {domain} still has {} clients",
-                s.clients.len()
-            ));
+            return Err(SimError::HasClients {
+                domain,
+                clients: s.clients.len(),
+            });
         }
         s.stop.store(true, Ordering::Relaxed);
         let _ = std::fs::remove_file(s.pipe_dir.join(SOCKET_NAME));
@@ -471,7 +484,7 @@ impl SimGpus {
 
     /// `terminate_client`: a busy client is ended; an idle one only at its next GPU call, which
     /// a sleeping simulated client never makes (measured: the server stayed in FAULT 3 s longer).
-    fn terminate(&self, domain: DomainId, pid: u32) -> Result<(), String> {
+    fn terminate(&self, domain: DomainId, pid: u32) -> Result<(), SimError> {
         self.with_server(domain, |s, _| {
             let Some(c) = s.clients.iter().find(|c| c.pid == pid) else {
                 return; // already gone: terminating is idempotent
@@ -487,7 +500,7 @@ impl SimGpus {
         })
     }
 
-    fn recover(&self, gpu: u32) -> Result<(), String> {
+    fn recover(&self, gpu: u32) -> Result<(), SimError> {
         let mut g = lock(self.gpu(gpu)?);
         if g.lost {
             g.lost = false;
@@ -510,7 +523,7 @@ impl SimGpus {
         xid: u32,
         culprit: Option<u32>,
         slot: Option<u32>,
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Vec<u32>, SimError> {
         let effect = physics::effect(xid);
         let pci = gpu_pci(gpu);
         // An MMU fault whose VA space the patched nvidia-uvm knows (driver-patch/).
@@ -544,7 +557,7 @@ impl SimGpus {
             })
             .unwrap_or(0);
         if !g.servers.contains_key(&origin) && effect.reach == Reach::Server {
-            return Err(format!("no simulated domain gpu{gpu}/d{origin}"));
+            return Err(SimError::NoDomain(DomainId { gpu, slot: origin }));
         }
         let first_client = g
             .servers

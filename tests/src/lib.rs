@@ -48,6 +48,8 @@ pub struct Options {
     /// Install the previous release's binaries and plugin first (`MPSR_PREV_BUILD_DIR`, made by
     /// scripts/prev-release.sh); `Cluster::install` upgrades or downgrades later.
     pub previous_release: bool,
+    /// Log every scontrol call the agent makes, with its exit status, to `<node>/scontrol.log`.
+    pub log_scontrol: bool,
     /// Extra plugstack.conf arguments.
     pub plugin_args: Vec<String>,
     /// Seconds between slurmd health checks (0 = off).
@@ -69,6 +71,7 @@ impl Default for Options {
             gres_mps: false,
             cgroup: false,
             previous_release: false,
+            log_scontrol: false,
             plugin_args: vec![],
             health_interval_s: 0,
             cred_expire_s: 5,
@@ -563,6 +566,21 @@ Epilog={t}/etc/epilog.sh
                 w.display().to_string()
             }
             None => "scontrol".into(),
+        };
+        let scontrol = if self.opts.log_scontrol {
+            let w = self.bin.join(format!("scontrol-logged-{node}"));
+            let log = self.dir.join(node).join("scontrol.log");
+            write_file(
+                &w,
+                &format!(
+                    "#!/bin/sh\n{scontrol} \"$@\"\nrc=$?\necho \"$rc $*\" >> {}\nexit $rc\n",
+                    log.display()
+                ),
+                0o755,
+            )?;
+            w.display().to_string()
+        } else {
+            scontrol
         };
         let cfg = format!(
             "backend = \"sim\"

@@ -4,7 +4,7 @@
 
 use crate::config::Config;
 use mpsr_proto::keeper::{KeeperRequest, KeeperResponse};
-use mpsr_proto::{read_frame, write_frame};
+use mpsr_proto::{read_frame, write_frame, FrameError};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -24,12 +24,45 @@ pub struct Keepers {
     pub keep_after_requeue: Duration,
 }
 
-pub fn call(path: &Path, req: &KeeperRequest, timeout: Duration) -> Result<KeeperResponse, String> {
-    let mut s = UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
+/// Why a keeper could not be asked or started.
+#[derive(Debug, thiserror::Error)]
+pub enum KeeperError {
+    #[error("keeper socket {path}: {source}")]
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("keeper exchange: {0}")]
+    Frame(#[from] FrameError),
+    #[error("no GPU {0}")]
+    NoGpu(u32),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("starting {binary}: {source}")]
+    Spawn {
+        binary: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("state keeper for gpu{gpu} did not come up (see {log})")]
+    NotUp { gpu: u32, log: PathBuf },
+}
+
+pub fn call(
+    path: &Path,
+    req: &KeeperRequest,
+    timeout: Duration,
+) -> Result<KeeperResponse, KeeperError> {
+    let mut s = UnixStream::connect(path).map_err(|source| KeeperError::Connect {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let _ = s.set_read_timeout(Some(timeout));
     let _ = s.set_write_timeout(Some(timeout));
-    write_frame(&mut s, req).map_err(|e| e.to_string())?;
-    read_frame(&mut s).map_err(|e| e.to_string())
+    write_frame(&mut s, req)?;
+    Ok(read_frame(&mut s)?)
 }
 
 impl Keepers {
@@ -75,7 +108,7 @@ impl Keepers {
     }
 
     /// Makes sure a keeper serves `gpu`; starts one if none answers.
-    pub fn ensure(&self, gpu: u32) -> Result<(), String> {
+    pub fn ensure(&self, gpu: u32) -> Result<(), KeeperError> {
         if !self.enabled || self.ping(gpu).is_some() {
             return Ok(());
         }
@@ -84,17 +117,25 @@ impl Keepers {
             .iter()
             .find(|(i, _)| *i == gpu)
             .map(|(_, u)| u.clone())
-            .ok_or_else(|| format!("no GPU {gpu}"))?;
+            .ok_or(KeeperError::NoGpu(gpu))?;
         let dir = self.run_dir.join(format!("gpu{gpu}"));
         let no_mps = self.run_dir.join("keeper-no-mps");
         for d in [&dir, &no_mps, &self.snapshot_dir] {
-            std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+            std::fs::create_dir_all(d).map_err(|source| KeeperError::Io {
+                path: d.clone(),
+                source,
+            })?;
         }
+        let log_path = dir.join("keeper.log");
+        let io = |source| KeeperError::Io {
+            path: log_path.clone(),
+            source,
+        };
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(dir.join("keeper.log"))
-            .map_err(|e| e.to_string())?;
+            .open(&log_path)
+            .map_err(io)?;
         let mut c = Command::new(&self.binary);
         c.arg("--gpu")
             .arg(gpu.to_string())
@@ -119,10 +160,13 @@ impl Keepers {
         crate::sys::process::prepare(&mut c, true);
         let mut child = c
             .stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stdout(log.try_clone().map_err(io)?)
             .stderr(log)
             .spawn()
-            .map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
+            .map_err(|source| KeeperError::Spawn {
+                binary: self.binary.clone(),
+                source,
+            })?;
         // Reaped when it exits (after a GPU reset's restart, say): no zombie keepers.
         let _ = std::thread::Builder::new()
             .name(format!("keeper{gpu}-reaper"))
@@ -135,10 +179,7 @@ impl Keepers {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Err(format!(
-            "state keeper for gpu{gpu} did not come up (see {}/keeper.log)",
-            dir.display()
-        ))
+        Err(KeeperError::NotUp { gpu, log: log_path })
     }
 
     pub fn ensure_all(&self) {

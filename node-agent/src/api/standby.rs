@@ -13,8 +13,8 @@ use mpsr_proto::{ErrorCode, Isolation, Mode, Response};
 use std::path::PathBuf;
 
 /// The registered task `(job, step, pid)` names, or the one the caller runs under; only the
-/// task's owner (or a trusted caller) gets it. The refusal is the message to send.
-fn own_task(agent: &Agent, caller: Caller, (job, step, pid): TaskKey) -> Result<Task, String> {
+/// task's owner (or a trusted caller) gets it.
+fn own_task(agent: &Agent, caller: Caller, (job, step, pid): TaskKey) -> Result<Task, NotOwnTask> {
     let st = agent.state();
     let from = if caller.trusted { pid } else { caller.peer.pid };
     let t =
@@ -25,11 +25,19 @@ fn own_task(agent: &Agent, caller: Caller, (job, step, pid): TaskKey) -> Result<
             .cloned();
     match t {
         Some(t) if caller.trusted || t.uid == caller.peer.uid => Ok(t),
-        _ => Err(format!(
-            "task {job}.{step} pid {pid} is not a registered task of uid {} (or the caller does not run under it)",
-            caller.peer.uid
-        )),
+        _ => Err(NotOwnTask {
+            task: (job, step, pid),
+            uid: caller.peer.uid,
+        }),
     }
+}
+
+/// The caller named no task of its own.
+#[derive(Debug, thiserror::Error)]
+#[error("task {}.{} pid {} is not a registered task of uid {uid} (or the caller does not run under it)", task.0, task.1, task.2)]
+struct NotOwnTask {
+    task: TaskKey,
+    uid: u32,
 }
 
 /// Where the task's standbys' release FIFOs live (root's directory; each FIFO its owner's).
@@ -40,7 +48,7 @@ fn fifo_dir(agent: &Agent) -> PathBuf {
 pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
     let t = match own_task(agent, caller, key) {
         Ok(t) => t,
-        Err(why) => return denied(why),
+        Err(e) => return denied(e.to_string()),
     };
     if t.mode != Mode::Resume {
         return Response::error(
@@ -119,7 +127,7 @@ pub fn arm(
 ) -> Response {
     let t = match own_task(agent, caller, key) {
         Ok(t) => t,
-        Err(why) => return denied(why),
+        Err(e) => return denied(e.to_string()),
     };
     // Both incarnations must run under the task and be the owner's: the agent kills one of them.
     for pid in [primary_pid, standby_pid] {

@@ -4,7 +4,7 @@ use clap::Parser;
 use mpsr_agent::agent::Agent;
 use mpsr_agent::config::{Backend, Config, DEFAULT_PATH};
 use mpsr_agent::fault::classify::Classifier;
-use mpsr_agent::gpu::{nvml::NvmlBackend, sim::SimBackend, GpuBackend};
+use mpsr_agent::gpu::{nvml::NvmlBackend, sim::SimBackend, CheckFailed, CheckLine, GpuBackend};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -58,7 +58,7 @@ fn main() -> std::process::ExitCode {
 }
 
 /// backend = "sim": there are no GPUs to check, only the simulator's binaries.
-fn sim_self_check() -> Vec<(String, Result<String, String>)> {
+fn sim_self_check() -> Vec<CheckLine> {
     let exe = std::env::current_exe().unwrap_or_default();
     let mut out = vec![(
         "backend".to_string(),
@@ -71,10 +71,10 @@ fn sim_self_check() -> Vec<(String, Result<String, String>)> {
             if p.is_file() {
                 Ok(p.display().to_string())
             } else {
-                Err(format!(
+                Err(CheckFailed(format!(
                     "{} not found (cargo build -p mpsr-simgpu)",
                     p.display()
-                ))
+                )))
             },
         ));
     }

@@ -19,6 +19,21 @@ pub struct GpuInfo {
     pub pci: PciAddr,
 }
 
+/// One line of `mpsr-agent --self-check`: what was looked at, and what was found there or why
+/// it is missing (both text for people).
+pub type CheckLine = (String, Result<String, CheckFailed>);
+
+/// Why one self-check failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CheckFailed(pub String);
+
+impl CheckFailed {
+    pub fn of(e: impl std::fmt::Display) -> CheckFailed {
+        CheckFailed(e.to_string())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("NVML: {0}")]

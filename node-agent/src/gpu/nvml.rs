@@ -1,7 +1,7 @@
 //! Real GPUs: NVML (loaded at run time by nvml-wrapper) for devices and Xid events, and one real
 //! `nvidia-cuda-mps-control` daemon per GPU.
 
-use super::{BackendError, GpuBackend, GpuInfo};
+use super::{BackendError, CheckFailed, CheckLine, GpuBackend, GpuInfo};
 use crate::config::Config;
 use crate::domain::DomainSpec;
 use crate::fault::correlate::{GpuRef, Signal, Source};
@@ -31,7 +31,7 @@ pub struct NvmlBackend {
 }
 
 /// What works on this node, for `mpsr-agent --self-check`.
-pub fn self_check(cfg: &Config) -> Vec<(String, Result<String, String>)> {
+pub fn self_check(cfg: &Config) -> Vec<CheckLine> {
     let mut out = Vec::new();
     let nvml = Nvml::init();
     match &nvml {
@@ -40,7 +40,7 @@ pub fn self_check(cfg: &Config) -> Vec<(String, Result<String, String>)> {
                 "NVML".into(),
                 n.sys_driver_version()
                     .map(|v| format!("driver {v}"))
-                    .map_err(|e| e.to_string()),
+                    .map_err(CheckFailed::of),
             ));
             match n.device_count() {
                 Ok(c) => {
@@ -56,16 +56,18 @@ pub fn self_check(cfg: &Config) -> Vec<(String, Result<String, String>)> {
                                     d.pci_info()?.bus_id
                                 ))
                             })
-                            .map_err(|e| e.to_string()),
+                            .map_err(CheckFailed::of),
                         ));
                     }
                 }
-                Err(e) => out.push(("GPU count".into(), Err(e.to_string()))),
+                Err(e) => out.push(("GPU count".into(), Err(CheckFailed::of(e)))),
             }
         }
         Err(e) => out.push((
             "NVML".into(),
-            Err(format!("{e} (is libnvidia-ml.so.1 installed?)")),
+            Err(CheckFailed(format!(
+                "{e} (is libnvidia-ml.so.1 installed?)"
+            ))),
         )),
     }
     let bin = &cfg.mps.control_binary;
@@ -74,13 +76,13 @@ pub fn self_check(cfg: &Config) -> Vec<(String, Result<String, String>)> {
         "nvidia-cuda-mps-control".into(),
         found
             .map(|p| p.display().to_string())
-            .ok_or_else(|| format!("{} not found in PATH", bin.display())),
+            .ok_or_else(|| CheckFailed(format!("{} not found in PATH", bin.display()))),
     ));
     out.push((
         "kernel log".into(),
         std::fs::File::open(&cfg.faults.kmsg_path)
             .map(|_| format!("{} readable", cfg.faults.kmsg_path.display()))
-            .map_err(|e| format!("{}: {e}", cfg.faults.kmsg_path.display())),
+            .map_err(|e| CheckFailed(format!("{}: {e}", cfg.faults.kmsg_path.display()))),
     ));
     out
 }
@@ -153,13 +155,13 @@ impl NvmlBackend {
     }
 
     fn xid_loop(nvml: &'static Nvml, n: u32, tx: Sender<Signal>) {
-        let set = (|| -> Result<_, String> {
-            let mut set = nvml.create_event_set().map_err(|e| e.to_string())?;
+        let set = (|| -> Result<_, NvmlError> {
+            let mut set = nvml.create_event_set()?;
             for i in 0..n {
-                let d = nvml.device_by_index(i).map_err(|e| e.to_string())?;
+                let d = nvml.device_by_index(i)?;
                 set = d
                     .register_events(EventTypes::CRITICAL_XID_ERROR, set)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| e.error)?;
             }
             Ok(set)
         })();

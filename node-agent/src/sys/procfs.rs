@@ -118,7 +118,8 @@ mod tests {
             .unwrap();
         let pid = sh.id();
         let mut found = Vec::new();
-        for _ in 0..100 {
+        // Up to 10 s for the shell to start both (a loaded 2-CPU CI machine is slow to fork).
+        for _ in 0..1000 {
             found = descendants(pid).expect("children lists");
             if found.len() == 2 {
                 break;

@@ -3,7 +3,7 @@
 
 use super::queue::SlurmOp;
 use crate::config::SlurmConfig;
-use crate::sys::process::run_bounded;
+use crate::sys::process::{run_bounded, RunError};
 use std::process::Command;
 use std::time::Duration;
 
@@ -25,7 +25,8 @@ impl Scontrol {
         Scontrol { cfg }
     }
 
-    fn run(&self, args: &[&str]) -> Result<(bool, String), String> {
+    /// (exit 0, what it printed), or why scontrol gave no answer.
+    fn run(&self, args: &[&str]) -> Result<(bool, String), RunError> {
         let mut c = Command::new(&self.cfg.scontrol);
         c.args(args);
         if let Some(conf) = &self.cfg.slurm_conf {
@@ -37,7 +38,17 @@ impl Scontrol {
             Duration::from_millis(self.cfg.timeout_ms),
             &format!("scontrol {}", args.join(" ")),
         )
-        .map_err(|e| e.to_string())
+    }
+
+    /// What scontrol printed when it exited 0; a non-zero exit is an error.
+    fn answer(&self, args: &[&str]) -> Result<String, RunError> {
+        match self.run(args)? {
+            (true, out) => Ok(out),
+            (false, output) => Err(RunError::Failed {
+                command: format!("scontrol {}", args.join(" ")),
+                output,
+            }),
+        }
     }
 
     /// Runs one action. `verify`: it may have run already; check Slurm's state first so it is not
@@ -66,7 +77,7 @@ impl Scontrol {
                     Ok((true, _)) => Outcome::Done(format!("requeued job {job_id}")),
                     // Why it failed is read from the job's fields, not from the error's words.
                     Ok((false, out)) => after_failed_requeue(*job_id, out, self.job_facts(*job_id)),
-                    Err(e) => Outcome::Retry(e),
+                    Err(e) => Outcome::Retry(e.to_string()),
                 }
             }
             SlurmOp::Annotate { job_id, line, .. } => self.annotate(*job_id, line),
@@ -79,14 +90,14 @@ impl Scontrol {
                         ));
                     }
                     Ok(_) => {}
-                    Err(e) => return self.drain_failed(node, e),
+                    Err(e) => return self.drain_failed(node, e.to_string()),
                 }
                 let reason_arg = format!("Reason={reason}");
                 let node_arg = format!("NodeName={node}");
                 match self.run(&["update", &node_arg, "State=DRAIN", &reason_arg]) {
                     Ok((true, _)) => Outcome::Done(format!("drained node {node}")),
                     Ok((false, out)) => self.drain_failed(node, out),
-                    Err(e) => Outcome::Retry(e),
+                    Err(e) => Outcome::Retry(e.to_string()),
                 }
             }
         }
@@ -104,7 +115,7 @@ impl Scontrol {
                     _ => Outcome::Retry(out),
                 }
             }
-            Err(e) => return Outcome::Retry(e),
+            Err(e) => return Outcome::Retry(e.to_string()),
         };
         let new = match appended(&old, line) {
             Appended::Already => {
@@ -128,21 +139,23 @@ impl Scontrol {
                 ),
                 _ => Outcome::Retry(out),
             },
-            Err(e) => Outcome::Retry(e),
+            Err(e) => Outcome::Retry(e.to_string()),
         }
     }
 
     /// What Slurm says of a job (`scontrol show job ID -o`): `None` when Slurm answers and does
     /// not list it (gone); an error when Slurm cannot be asked.
-    pub fn job_facts(&self, job_id: u32) -> Result<Option<JobFacts>, String> {
+    pub fn job_facts(&self, job_id: u32) -> Result<Option<JobFacts>, RunError> {
         let id = job_id.to_string();
-        match self.run(&["show", "job", &id, "-o"]) {
-            Ok((true, out)) => Ok(Some(JobFacts::parse(&out))),
+        match self.answer(&["show", "job", &id, "-o"]) {
+            Ok(out) => Ok(Some(JobFacts::parse(&out))),
             // Unknown job or no controller: the full list tells which.
-            Ok((false, out)) => match self.listed(&["show", "job", "-o"], "JobId", &id) {
-                Ok(false) => Ok(None),
-                _ => Err(out),
-            },
+            Err(e @ RunError::Failed { .. }) => {
+                match self.listed(&["show", "job", "-o"], "JobId", &id) {
+                    Ok(false) => Ok(None),
+                    _ => Err(e),
+                }
+            }
             Err(e) => Err(e),
         }
     }
@@ -159,32 +172,24 @@ impl Scontrol {
 
     /// Whether the one-line-per-entry listing `args` (exit 0) has an entry whose `key=` field
     /// is `value`; an error when the listing fails.
-    fn listed(&self, args: &[&str], key: &str, value: &str) -> Result<bool, String> {
-        match self.run(args) {
-            Ok((true, out)) => Ok(out
-                .lines()
-                .any(|l| field(l, key).is_some_and(|v| v == value))),
-            Ok((false, out)) => Err(out),
-            Err(e) => Err(e),
-        }
+    fn listed(&self, args: &[&str], key: &str, value: &str) -> Result<bool, RunError> {
+        Ok(self
+            .answer(args)?
+            .lines()
+            .any(|l| field(l, key).is_some_and(|v| v == value)))
     }
 
     /// (State, Reason) of a node from `scontrol show node -o`.
-    pub fn node_state(&self, node: &str) -> Result<(String, String), String> {
-        match self.run(&["show", "node", node, "-o"]) {
-            Ok((true, out)) => Ok(parse_node_line(&out)),
-            Ok((false, out)) => Err(out),
-            Err(e) => Err(e),
-        }
+    pub fn node_state(&self, node: &str) -> Result<(String, String), RunError> {
+        Ok(parse_node_line(
+            &self.answer(&["show", "node", node, "-o"])?,
+        ))
     }
 
-    pub fn resume_node(&self, node: &str) -> Result<(), String> {
+    pub fn resume_node(&self, node: &str) -> Result<(), RunError> {
         let node_arg = format!("NodeName={node}");
-        match self.run(&["update", &node_arg, "State=RESUME"]) {
-            Ok((true, _)) => Ok(()),
-            Ok((false, out)) => Err(out),
-            Err(e) => Err(e),
-        }
+        self.answer(&["update", &node_arg, "State=RESUME"])
+            .map(drop)
     }
 
     pub fn backoff(&self, attempts: u32) -> Duration {
@@ -290,7 +295,7 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 pub fn after_failed_requeue(
     job_id: u32,
     out: String,
-    facts: Result<Option<JobFacts>, String>,
+    facts: Result<Option<JobFacts>, RunError>,
 ) -> Outcome {
     match facts {
         Ok(None) => Outcome::Permanent(format!("job {job_id} no longer exists")),
@@ -391,7 +396,14 @@ mod tests {
             Outcome::Retry(_)
         ));
         assert!(matches!(
-            after_failed_requeue(3, err(), Err("connect failure".into())),
+            after_failed_requeue(
+                3,
+                err(),
+                Err(RunError::Timeout {
+                    command: "scontrol show job 3 -o".into(),
+                    ms: 5000
+                })
+            ),
             Outcome::Retry(_)
         ));
         // Fields Slurm did not print decide nothing.
