@@ -967,6 +967,20 @@ gpus = {}
             .unwrap_or_default()
     }
 
+    /// The simulated MPS clients on a node's GPU that belong to Slurm job `job` (by the
+    /// SLURM_JOB_ID in their environment): a job's client, never a neighbour's or a left-over one.
+    pub fn job_clients(&self, node: &str, gpu: u32, job: u32) -> Vec<u32> {
+        let want = format!("SLURM_JOB_ID={job}");
+        self.clients(node, gpu)
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ"))
+                    .map(|env| env.split(|b| *b == 0).any(|kv| kv == want.as_bytes()))
+                    .unwrap_or(false)
+            })
+            .collect()
+    }
+
     fn cancel_all_jobs(&self) {
         let _ = self.cmd("scancel --full --quiet $(squeue -h -o %i) 2>/dev/null");
         let _ = wait_for("no jobs left", Duration::from_secs(15), || {

@@ -1326,7 +1326,11 @@ fn a_lost_standby_means_a_restart_and_a_culprits_standby_is_never_released() {
     })
     .unwrap();
     let _ = a.kill();
-    c.cmd(&format!("scancel {a_job}")).unwrap();
+    c.cmd(&format!("scancel {a_job} {neighbour}")).unwrap();
+    wait_for("A and the neighbour gone from the GPUs", LONG, || {
+        (c.clients("n1", 0).is_empty() && c.clients("n1", 1).is_empty()).then_some(())
+    })
+    .unwrap();
 
     // B: the culprit of a contained fault on gpu1, beside a neighbour there.
     let other = c
@@ -1340,17 +1344,9 @@ fn a_lost_standby_means_a_restart_and_a_culprits_standby_is_never_released() {
     let (mut b, b_out, b_job, b_standby) = run_with_standby("culprit");
     let gpu = c.wait_registered("n1", b_job, 1).unwrap()[0];
     assert_eq!(c.wait_registered("n1", other, 1).unwrap(), vec![gpu]);
-    // B's primary: the client of the shared server that is not the other job's task.
-    let other_pid = c
-        .agent_status("n1")
-        .unwrap()
-        .tasks
-        .iter()
-        .find(|t| t.job_id == other)
-        .unwrap()
-        .pid;
+    // B's primary: B's own client (A's or the neighbour's may still be attached under load).
     let primary = wait_for("B's primary attached", SHORT, || {
-        c.clients("n1", gpu).into_iter().find(|p| *p != other_pid)
+        c.job_clients("n1", gpu, b_job).first().copied()
     })
     .unwrap();
     let killed = c.inject_culprit("n1", gpu, 31, primary).unwrap();

@@ -119,6 +119,10 @@ fn run() -> mpsr_e2e::Result<bool> {
     let mut c = Cluster::start(Options {
         nodes: vec!["n1".into()],
         log_scontrol: true,
+        // Room for every placement the churn makes (4 shard jobs per GPU, each maybe in a domain
+        // of its own, beside the shared and the user domain): a refusal at the cap would be the
+        // workload's doing, not the agent's.
+        agent_mps: "max_domains_per_gpu = 6".into(),
         ..Options::default()
     })?;
     let t0 = Instant::now();
