@@ -197,6 +197,11 @@ pub struct MpsConfig {
     /// After a fault, hit jobs' CUDA processes still attached after this long are ended (SIGKILL) so
     /// the server can return to ACTIVE; other clients get `terminate_client`.
     pub fault_grace_ms: u64,
+    /// A task placed into a domain whose server is recovering from a fault waits this long at
+    /// most (in its registration, before it starts) for the server to be ACTIVE again: MPS
+    /// refuses a new client of a server in FAULT (CUDA error 807), which failed innocent jobs
+    /// that started just after a neighbour's fault. Below the plugin's `timeout_ms`.
+    pub admit_wait_ms: u64,
     /// Stop the MPS daemons when the agent stops. Off: an agent restart must not end running jobs'
     /// GPU work (the daemons keep serving; the restarted agent takes them over).
     pub quit_on_shutdown: bool,
@@ -324,6 +329,7 @@ impl Default for MpsConfig {
             command_timeout_ms: 3_000,
             health_interval_ms: 1_000,
             fault_grace_ms: 2_000,
+            admit_wait_ms: 1_500,
             quit_on_shutdown: false,
             isolation_default: mpsr_proto::Isolation::Shared,
             isolation_allowed: mpsr_proto::Isolation::ALL.to_vec(),
@@ -427,6 +433,11 @@ fn read_token(path: &std::path::Path) -> Result<String, KeyError> {
     Ok(token)
 }
 
+/// A config value that fails its check: the key and why.
+fn invalid(key: &'static str, message: String) -> KeyError {
+    KeyError { key, message }
+}
+
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -446,95 +457,110 @@ impl Config {
     }
 
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
-        let bad = |key: &str, message: String| ConfigError::Value {
-            path: path.to_path_buf(),
-            key: key.to_string(),
-            message,
-        };
-        if let Err(e) = self.telemetry.rules() {
-            return Err(bad("telemetry.rules", e.to_string()));
+        let checks = [
+            Config::check_telemetry,
+            Config::check_mps,
+            Config::check_limits,
+            Config::check_storage,
+        ];
+        for check in checks {
+            check(self).map_err(|e| ConfigError::Value {
+                path: path.to_path_buf(),
+                key: e.key.to_string(),
+                message: e.message,
+            })?;
         }
-        if self.telemetry.interval_ms < 100 {
-            return Err(bad(
+        self.xid_overrides(path)?;
+        self.policy_overrides(path)?;
+        Ok(())
+    }
+
+    fn check_telemetry(&self) -> Result<(), KeyError> {
+        let t = &self.telemetry;
+        if let Err(e) = t.rules() {
+            return Err(invalid("telemetry.rules", e.to_string()));
+        }
+        if t.interval_ms < 100 {
+            return Err(invalid(
                 "telemetry.interval_ms",
-                format!("{} is below 100", self.telemetry.interval_ms),
+                format!("{} is below 100", t.interval_ms),
             ));
         }
-        if self.telemetry.slow_every == 0 {
-            return Err(bad("telemetry.slow_every", "must be at least 1".into()));
+        if t.slow_every == 0 {
+            return Err(invalid("telemetry.slow_every", "must be at least 1".into()));
         }
-        if !self.telemetry.listen.is_empty()
-            && self
-                .telemetry
-                .listen
-                .parse::<std::net::SocketAddr>()
-                .is_err()
-        {
-            return Err(bad(
+        if !t.listen.is_empty() && t.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(invalid(
                 "telemetry.listen",
+                format!("'{}' is not an address:port like 127.0.0.1:9410", t.listen),
+            ));
+        }
+        t.http_access()?;
+        Ok(())
+    }
+
+    fn check_mps(&self) -> Result<(), KeyError> {
+        let m = &self.mps;
+        if m.admit_wait_ms > 30_000 {
+            return Err(invalid(
+                "mps.admit_wait_ms",
                 format!(
-                    "'{}' is not an address:port like 127.0.0.1:9410",
-                    self.telemetry.listen
+                    "{} ms is longer than any plugin timeout should be (at most 30000)",
+                    m.admit_wait_ms
                 ),
             ));
         }
-        if let Err(e) = self.telemetry.http_access() {
-            return Err(bad(e.key, e.message));
-        }
-        if !(1..=100).contains(&self.mps.default_thread_pct) {
-            return Err(bad(
+        if !(1..=100).contains(&m.default_thread_pct) {
+            return Err(invalid(
                 "mps.default_thread_pct",
-                format!("{} is not in 1..=100", self.mps.default_thread_pct),
+                format!("{} is not in 1..=100", m.default_thread_pct),
             ));
         }
-        if !self.mps.default_pinned_mem_limit.is_empty()
-            && parse_size(&self.mps.default_pinned_mem_limit).is_none()
+        if !m.default_pinned_mem_limit.is_empty()
+            && parse_size(&m.default_pinned_mem_limit).is_none()
         {
-            return Err(bad(
+            return Err(invalid(
                 "mps.default_pinned_mem_limit",
                 format!(
                     "'{}' is not a size like 900M or 16G",
-                    self.mps.default_pinned_mem_limit
+                    m.default_pinned_mem_limit
                 ),
             ));
         }
-        if self.mps.isolation_allowed.is_empty() {
-            return Err(bad(
+        if m.isolation_allowed.is_empty() {
+            return Err(invalid(
                 "mps.isolation_allowed",
                 "must name at least one of shared, job, user".into(),
             ));
         }
-        if !self
-            .mps
-            .isolation_allowed
-            .contains(&self.mps.isolation_default)
-        {
-            return Err(bad(
+        if !m.isolation_allowed.contains(&m.isolation_default) {
+            return Err(invalid(
                 "mps.isolation_default",
-                format!(
-                    "'{}' is not in mps.isolation_allowed",
-                    self.mps.isolation_default
-                ),
+                format!("'{}' is not in mps.isolation_allowed", m.isolation_default),
             ));
         }
-        if !(1..=48).contains(&self.mps.max_domains_per_gpu) {
-            return Err(bad(
+        if !(1..=48).contains(&m.max_domains_per_gpu) {
+            return Err(invalid(
                 "mps.max_domains_per_gpu",
-                format!("{} is not in 1..=48", self.mps.max_domains_per_gpu),
+                format!("{} is not in 1..=48", m.max_domains_per_gpu),
             ));
         }
-        let apart = self
-            .mps
+        let apart = m
             .isolation_allowed
             .iter()
             .any(|i| *i != mpsr_proto::Isolation::Shared);
-        if self.mps.max_domains_per_gpu == 1 && apart {
-            return Err(bad(
+        if m.max_domains_per_gpu == 1 && apart {
+            return Err(invalid(
                 "mps.max_domains_per_gpu",
                 "1 leaves no room for job or user domains; allow only \"shared\" or raise it"
                     .into(),
             ));
         }
+        Ok(())
+    }
+
+    /// Timeouts, windows, attempts and counts.
+    fn check_limits(&self) -> Result<(), KeyError> {
         for (key, v) in [
             ("slurm.timeout_ms", self.slurm.timeout_ms),
             ("mps.command_timeout_ms", self.mps.command_timeout_ms),
@@ -545,42 +571,47 @@ impl Config {
             ),
         ] {
             if v == 0 || v > 600_000 {
-                return Err(bad(key, format!("{v} is not in 1..=600000")));
+                return Err(invalid(key, format!("{v} is not in 1..=600000")));
             }
         }
-        if !self.standby.memory_limit.is_empty() && parse_size(&self.standby.memory_limit).is_none()
-        {
-            return Err(bad(
-                "standby.memory_limit",
-                format!("'{}' is not a size like 8G", self.standby.memory_limit),
-            ));
-        }
         if self.faults.victim_exit_before_ms > 10_000 {
-            return Err(bad(
+            return Err(invalid(
                 "faults.victim_exit_before_ms",
                 format!("{} is not in 0..=10000", self.faults.victim_exit_before_ms),
             ));
         }
         if self.slurm.max_attempts == 0 {
-            return Err(bad("slurm.max_attempts", "must be at least 1".into()));
+            return Err(invalid("slurm.max_attempts", "must be at least 1".into()));
         }
         if self.faults.history == 0 || self.faults.history > 1_000_000 {
-            return Err(bad("faults.history", "must be in 1..=1000000".into()));
+            return Err(invalid("faults.history", "must be in 1..=1000000".into()));
         }
         if self.backend == Backend::Sim && !(1..=64).contains(&self.sim.gpus) {
-            return Err(bad(
+            return Err(invalid(
                 "sim.gpus",
                 format!("{} is not in 1..=64", self.sim.gpus),
             ));
         }
+        Ok(())
+    }
+
+    /// Sizes and paths of what the agent keeps.
+    fn check_storage(&self) -> Result<(), KeyError> {
+        if !self.standby.memory_limit.is_empty() && parse_size(&self.standby.memory_limit).is_none()
+        {
+            return Err(invalid(
+                "standby.memory_limit",
+                format!("'{}' is not a size like 8G", self.standby.memory_limit),
+            ));
+        }
         if parse_size(&self.keeper.max_bytes_per_job).is_none() {
-            return Err(bad(
+            return Err(invalid(
                 "keeper.max_bytes_per_job",
                 format!("'{}' is not a size like 64G", self.keeper.max_bytes_per_job),
             ));
         }
         if !self.keeper.snapshot_dir.is_absolute() {
-            return Err(bad(
+            return Err(invalid(
                 "keeper.snapshot_dir",
                 format!(
                     "{} is not an absolute path",
@@ -590,14 +621,12 @@ impl Config {
         }
         for rel in [&self.socket, &self.state_dir, &self.run_dir] {
             if !rel.is_absolute() {
-                return Err(bad(
+                return Err(invalid(
                     "socket/state_dir/run_dir",
                     format!("{} is not an absolute path", rel.display()),
                 ));
             }
         }
-        self.xid_overrides(path)?;
-        self.policy_overrides(path)?;
         Ok(())
     }
 

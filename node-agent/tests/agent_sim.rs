@@ -356,6 +356,45 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
     unsafe { libc::kill(c1.id() as i32, libc::SIGKILL) };
 }
 
+/// A task that starts while its domain's server recovers from a neighbour's fault is held in its
+/// registration until the server is ACTIVE again: MPS refuses a new client of a server in FAULT
+/// (807), which failed innocent jobs that started just after a fault (found by the soak).
+#[test]
+fn a_task_starting_while_its_domain_recovers_is_held_until_the_server_is_active() {
+    let e = Env::new("[sim]\nrecovery_ms = 400\n");
+    let c1 = e.client(0, 30.0, false);
+    e.register(1, c1.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, None);
+    e.wait_for("the fault decided and the server in FAULT", |e| {
+        !e.events().is_empty()
+            && matches!(e.call(&Request::Status), Ok(Response::Status(s)) if s.gpus[0].state == ServerState::Fault)
+    });
+    // Job 2's task registers now (slurmstepd, before the task's program starts).
+    let task = Proc(Command::new("sleep").arg("30").spawn().unwrap());
+    let t = Instant::now();
+    e.register(2, task.id(), &[0], Mode::Requeue, true);
+    let held = t.elapsed();
+    assert!(
+        matches!(e.call(&Request::Status), Ok(Response::Status(s)) if s.gpus[0].state != ServerState::Fault),
+        "answered only once the server left FAULT (after {held:?})"
+    );
+    let mut first = e.client_raw(0);
+    assert_eq!(
+        exit_code(&mut first, Duration::from_secs(5)),
+        Some(0),
+        "its first client is accepted"
+    );
+    let Response::JobReport(rep) = e.call(&Request::JobReport { job_id: 2 }).unwrap() else {
+        panic!("no report")
+    };
+    assert!(
+        rep.actions.iter().any(|l| l.contains("held")),
+        "{:?}",
+        rep.actions
+    );
+    drop(c1);
+}
+
 impl Env {
     fn client_raw(&self, gpu: u32) -> Proc {
         Proc(

@@ -967,6 +967,11 @@ gpus = {}
             .unwrap_or_default()
     }
 
+    /// Keeps the cluster's directory (logs, agent state) when it is dropped.
+    pub fn keep_on_drop(&mut self) {
+        self.keep = true;
+    }
+
     /// The simulated MPS clients on a node's GPU that belong to Slurm job `job` (by the
     /// SLURM_JOB_ID in their environment): a job's client, never a neighbour's or a left-over one.
     pub fn job_clients(&self, node: &str, gpu: u32, job: u32) -> Vec<u32> {

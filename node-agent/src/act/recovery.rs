@@ -194,6 +194,26 @@ impl Agent {
         }
     }
 
+    /// Waits up to `within` while any of `domains` recovers from a fault: MPS refuses a new
+    /// client of a server in FAULT (CUDA error 807). Returns those still recovering at the end.
+    pub(crate) fn await_recovered(&self, domains: &[DomainId], within: Duration) -> Vec<DomainId> {
+        let deadline = Instant::now() + within;
+        loop {
+            let still: Vec<DomainId> = {
+                let st = self.state();
+                domains
+                    .iter()
+                    .copied()
+                    .filter(|d| st.recovering.contains_key(d))
+                    .collect()
+            };
+            if still.is_empty() || Instant::now() >= deadline {
+                return still;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn resume_verdict(&self, key: crate::store::registry::TaskKey) -> (ResumeVerdict, String) {
         let entry = self.state().d.resume.get(key).cloned();
         let Some(e) = entry else {

@@ -3,7 +3,7 @@
 //! runs; the others are open to every local user, and their handlers show or touch only the
 //! caller's own jobs (the owner as Slurm reported it, `Durable::owner_of`).
 
-use super::{admin, jobs, standby, tasks, views};
+use super::{admin, jobs, register, standby, tasks, views};
 use crate::agent::Agent;
 use mpsr_proto::{ErrorCode, PeerCred, Request, Response};
 
@@ -66,7 +66,7 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
     match req {
         Request::Hello { version } => tasks::hello(agent, caller, version),
         Request::GpuContexts { gpus } => tasks::gpu_contexts(agent, &gpus),
-        Request::Register(r) => tasks::register(agent, caller, r),
+        Request::Register(r) => register::register(agent, caller, r),
         Request::Deregister {
             job_id,
             step_id,

@@ -5,7 +5,8 @@
 //!
 //! - `socket`: the listening socket, connection limits, framing.
 //! - `dispatch`: who may ask what (one table), and the handler of each request.
-//! - `tasks`, `standby`, `jobs`, `views`, `admin`: the handlers, one module per request family.
+//! - `tasks`, `register`, `standby`, `jobs`, `views`, `admin`: the handlers, one module per request
+//!   family (`register`: a task's registration, step by step).
 //! - `http`: `/metrics` and the job endpoints; `http_access`: who may read them.
 
 mod admin;
@@ -14,6 +15,7 @@ mod fault_metrics;
 pub mod http;
 pub mod http_access;
 mod jobs;
+mod register;
 pub mod socket;
 pub mod standby;
 mod tasks;

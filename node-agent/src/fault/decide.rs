@@ -2,7 +2,7 @@
 //! Pure (no I/O) so every class can be tested exhaustively.
 
 use crate::domain::jobs_by_domain;
-use crate::fault::classify::{BlastRadius, Classifier, FaultClass, JobAction};
+use crate::fault::classify::{BlastRadius, ClassPolicy, Classifier, FaultClass, JobAction};
 use crate::fault::correlate::FaultEvent;
 use crate::store::registry::Registry;
 use mpsr_proto::{CulpritEvidence, DomainId, Mode};
@@ -165,60 +165,8 @@ pub fn decide(
     }
 
     for &job in &hit {
-        let tasks: Vec<_> = reg
-            .tasks_on_gpu(ev.gpu)
-            .filter(|t| t.job_id == job)
-            .collect();
-        let Some(first) = tasks.first() else { continue };
-        let (mode, batch) = (first.mode, reg.tasks().any(|t| t.job_id == job && t.batch));
-        if culprit == Some((job, CulpritEvidence::Isolation)) {
-            // Restarting the culprit would fault again.
-            for t in &tasks {
-                actions.push(Action::FailTask {
-                    job_id: job,
-                    step_id: t.step_id,
-                    pid: t.pid,
-                    why: "culprit of the fault".into(),
-                });
-            }
-            continue;
-        }
-        match (policy.action, mode) {
-            (_, Mode::Off) => actions.push(Action::None {
-                job_id: job,
-                why: "mode off".into(),
-            }),
-            (JobAction::None, _) => actions.push(Action::None {
-                job_id: job,
-                why: format!("no action for class {class}"),
-            }),
-            (JobAction::RequeueOnly, _) if batch => actions.push(Action::Requeue { job_id: job }),
-            (JobAction::RequeueOnly, _) => {
-                for t in &tasks {
-                    actions.push(Action::FailTask {
-                        job_id: job,
-                        step_id: t.step_id,
-                        pid: t.pid,
-                        why: format!("{class}: GPU unusable and job is not a batch job"),
-                    });
-                }
-            }
-            (JobAction::Recover, Mode::Requeue) if batch => {
-                actions.push(Action::Requeue { job_id: job })
-            }
-            // Requeue asked for a job Slurm cannot requeue (srun-only): resume in place instead.
-            (JobAction::Recover, Mode::Requeue | Mode::Resume) => {
-                for t in &tasks {
-                    actions.push(Action::Resume {
-                        job_id: job,
-                        step_id: t.step_id,
-                        pid: t.pid,
-                    });
-                }
-            }
-        }
+        actions.extend(actions_for_job(reg, ev.gpu, job, culprit, policy, class));
     }
-
     if policy.drain && class.is_hardware() {
         let xids: Vec<String> = ev.xids.iter().map(|x| x.to_string()).collect();
         actions.push(Action::DrainNode {
@@ -240,6 +188,61 @@ pub fn decide(
         culprit,
         contained: isolated.is_some(),
         actions,
+    }
+}
+
+/// What is done for one hit job: by the class's policy and the job's mode; the culprit named by
+/// the isolation source is failed (restarting it would fault again).
+fn actions_for_job(
+    reg: &Registry,
+    gpu: u32,
+    job: u32,
+    culprit: Option<(u32, CulpritEvidence)>,
+    policy: ClassPolicy,
+    class: FaultClass,
+) -> Vec<Action> {
+    let tasks: Vec<_> = reg.tasks_on_gpu(gpu).filter(|t| t.job_id == job).collect();
+    let Some(first) = tasks.first() else {
+        return Vec::new();
+    };
+    let (mode, batch) = (first.mode, reg.tasks().any(|t| t.job_id == job && t.batch));
+    let fail_each = |why: String| -> Vec<Action> {
+        tasks
+            .iter()
+            .map(|t| Action::FailTask {
+                job_id: job,
+                step_id: t.step_id,
+                pid: t.pid,
+                why: why.clone(),
+            })
+            .collect()
+    };
+    if culprit == Some((job, CulpritEvidence::Isolation)) {
+        return fail_each("culprit of the fault".into());
+    }
+    match (policy.action, mode) {
+        (_, Mode::Off) => vec![Action::None {
+            job_id: job,
+            why: "mode off".into(),
+        }],
+        (JobAction::None, _) => vec![Action::None {
+            job_id: job,
+            why: format!("no action for class {class}"),
+        }],
+        (JobAction::RequeueOnly, _) if batch => vec![Action::Requeue { job_id: job }],
+        (JobAction::RequeueOnly, _) => {
+            fail_each(format!("{class}: GPU unusable and job is not a batch job"))
+        }
+        (JobAction::Recover, Mode::Requeue) if batch => vec![Action::Requeue { job_id: job }],
+        // Requeue asked for a job Slurm cannot requeue (srun-only): resume in place instead.
+        (JobAction::Recover, Mode::Requeue | Mode::Resume) => tasks
+            .iter()
+            .map(|t| Action::Resume {
+                job_id: job,
+                step_id: t.step_id,
+                pid: t.pid,
+            })
+            .collect(),
     }
 }
 

@@ -174,6 +174,12 @@ pub struct Durable {
     /// Hot standbys of resume-mode tasks.
     #[serde(default)]
     pub standbys: Vec<Standby>,
+    /// Jobs this agent requeued: the restart count their next run has at least. Slurm skips the
+    /// prolog of a requeued job that starts again here while its credential is still cached, and
+    /// the SPANK item and environment read 0 in a batch step on 22.05: without this, such a run
+    /// looked like the one already requeued and was left to die when hit.
+    #[serde(default)]
+    pub next_run: BTreeMap<u32, u32>,
 }
 
 /// One run of a job on this node, as Slurm reported it.
@@ -244,6 +250,7 @@ impl Durable {
     /// Returns the run's restart count: the larger of what either said, since one of them may
     /// not know it (the SPANK item reads 0 in a requeued batch step on Slurm 22.05).
     pub fn note_running(&mut self, job: u32, uid: u32, restart_count: u32) -> u32 {
+        let restart_count = restart_count.max(self.next_run_of(job));
         let run = self
             .running
             .entry(job)
@@ -258,14 +265,30 @@ impl Durable {
 
     /// A new run of the job starts here (the prolog): what is known of it is this run's.
     pub fn start_run(&mut self, job: u32, uid: u32, restart_count: u32) {
+        let restart_count = restart_count.max(self.next_run_of(job));
         self.running.insert(job, JobRun { uid, restart_count });
         bound(&mut self.running);
         self.remember_owner(job, uid);
     }
 
-    pub fn note_requeued(&mut self, job: u32, fault_id: u64) {
+    /// Slurm carried out (or had done) the requeue of run `restarts_before` of the job.
+    pub fn note_requeued(&mut self, job: u32, fault_id: u64, restarts_before: Option<u32>) {
         self.requeued.insert(job, fault_id);
         bound(&mut self.requeued);
+        if let Some(r) = restarts_before {
+            let next = self.next_run.entry(job).or_insert(0);
+            *next = (*next).max(r + 1);
+            bound(&mut self.next_run);
+        }
+    }
+
+    /// The least restart count a new run of the job has: one more than the last run requeued
+    /// here, once that run's tasks are gone (a late task of the requeued run is still that run).
+    fn next_run_of(&self, job: u32) -> u32 {
+        match self.next_run.get(&job) {
+            Some(n) if !self.registry.tasks().any(|t| t.job_id == job) => *n,
+            _ => 0,
+        }
     }
 
     /// Jobs of `uid` known here (live, or ended with their report kept).

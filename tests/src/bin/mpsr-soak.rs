@@ -257,6 +257,9 @@ fn run() -> mpsr_e2e::Result<bool> {
         jobs.len()
     );
     println!("samples: {}", a.out.join("soak.csv").display());
+    if !ok {
+        c.keep_on_drop();
+    }
     Ok(ok)
 }
 

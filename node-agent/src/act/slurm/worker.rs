@@ -78,7 +78,13 @@ impl Agent {
             if let Some(msg) = finished {
                 let ok = matches!(outcome, Outcome::Done(_));
                 if let (true, true, Some(j)) = (ok, requeue, job) {
-                    st.d.note_requeued(j, next.fault_id);
+                    let before = match next.op {
+                        SlurmOp::Requeue {
+                            restarts_before, ..
+                        } => restarts_before,
+                        _ => None,
+                    };
+                    st.d.note_requeued(j, next.fault_id, before);
                 }
                 if ok {
                     st.d.done_keys.extend(next.op.run_key());

@@ -129,8 +129,12 @@ impl World {
             .partition(|p| matches!(p.op, SlurmOp::Requeue { .. }));
         self.st.d.pending = later;
         for p in done {
-            if let SlurmOp::Requeue { job_id, .. } = p.op {
-                self.st.d.note_requeued(job_id, p.fault_id);
+            if let SlurmOp::Requeue {
+                job_id,
+                restarts_before,
+            } = p.op
+            {
+                self.st.d.note_requeued(job_id, p.fault_id, restarts_before);
             }
             self.st.d.done_keys.extend(p.op.run_key());
             self.st.d.done_keys.push_back(p.key);
@@ -187,6 +191,33 @@ fn a_storm_requeues_each_run_of_a_job_once() {
     w.batch_task(1, 101, 0);
     w.shared_fault(70_000);
     assert_eq!(w.requeues(), vec![(1, Some(1))]);
+}
+
+#[test]
+fn a_requeued_run_that_comes_back_without_a_prolog_is_requeued_again() {
+    // Slurm runs no prolog for a requeued job that starts again while its credential is cached,
+    // and slurmstepd says restart 0: the run after a requeue done here is still a new one.
+    let mut w = World::new();
+    w.batch_task(1, 100, 0);
+    w.shared_fault(0);
+    assert_eq!(w.requeues(), vec![(1, Some(0))]);
+    w.requeue_done();
+    // A late registration of the requeued run (its task still there) is that run.
+    w.batch_task(1, 102, 0);
+    w.shared_fault(5_000);
+    assert!(w.requeues().is_empty(), "the same run: not requeued twice");
+    // The epilog ends the run; the next one registers (restart 0 said) and is hit.
+    w.st.d.registry.remove_job(1);
+    w.st.d.running.remove(&1);
+    w.batch_task(1, 101, 0);
+    w.shared_fault(60_000);
+    assert_eq!(w.requeues(), vec![(1, Some(1))]);
+    w.requeue_done();
+    w.st.d.registry.remove_job(1);
+    w.st.d.running.remove(&1);
+    w.batch_task(1, 103, 0);
+    w.shared_fault(120_000);
+    assert_eq!(w.requeues(), vec![(1, Some(2))], "and the run after that");
 }
 
 #[test]
