@@ -8,7 +8,7 @@
 //! and each job's Slurm restart count equals the successful `scontrol requeue` calls the agent made
 //! for it.
 //!
-//!   mpsr-soak --minutes 120 --out target/soak     (scripts/soak.sh also plots the CSV)
+//!   mpsr-soak --minutes 120 --out target/soak [--restart-every 600]   (scripts/soak.sh plots it)
 
 use mpsr_e2e::{Cluster, Options};
 use mpsr_proto::{Request, Response};
@@ -20,12 +20,15 @@ use std::time::{Duration, Instant};
 struct Args {
     minutes: f64,
     out: PathBuf,
+    /// Seconds between agent restarts.
+    restart_every: u64,
 }
 
 fn args() -> Args {
     let mut a = Args {
         minutes: 120.0,
         out: "target/soak".into(),
+        restart_every: 600,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -33,6 +36,7 @@ fn args() -> Args {
         match v[i].as_str() {
             "--minutes" => a.minutes = v[i + 1].parse().unwrap_or(a.minutes),
             "--out" => a.out = v[i + 1].clone().into(),
+            "--restart-every" => a.restart_every = v[i + 1].parse().unwrap_or(a.restart_every),
             _ => {}
         }
         i += 2;
@@ -132,7 +136,7 @@ fn run() -> mpsr_e2e::Result<bool> {
     let mut faults = 0u64;
     let mut restarts_of_agent = 0u32;
     let (mut next_fault, mut next_sample, mut next_restart) =
-        (t0, t0, t0 + Duration::from_secs(600));
+        (t0, t0, t0 + Duration::from_secs(a.restart_every));
     let isolations = ["", "--mps-isolation=job", "--mps-isolation=user"];
     while Instant::now() < end {
         // Churn: about eight jobs in flight, each 5-40 s.
@@ -186,7 +190,7 @@ fn run() -> mpsr_e2e::Result<bool> {
                 t0.elapsed().as_secs_f64() / 60.0,
                 if kill { "SIGKILL" } else { "SIGTERM" }
             );
-            next_restart = Instant::now() + Duration::from_secs(600);
+            next_restart = Instant::now() + Duration::from_secs(a.restart_every);
         }
         for (id, st) in jobs.iter_mut() {
             if matches!(st.0.as_str(), "COMPLETED" | "FAILED" | "CANCELLED") {
