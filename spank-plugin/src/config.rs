@@ -32,6 +32,11 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ),
     ("timeout_ms", "2000", "bound on each call to the agent"),
     (
+        "restart_wait_ms",
+        "1000",
+        "how long a call waits for an agent that is restarting (socket missing or refused), within timeout_ms; 0 = no wait",
+    ),
+    (
         "supervisor",
         "/usr/bin/mpsr-run",
         "resume supervisor prepended to tasks in resume mode (Slurm >= 23.11 only)",
@@ -44,6 +49,8 @@ pub struct PlugConfig {
     pub default_mode: Mode,
     pub required_agent: bool,
     pub timeout: Duration,
+    /// A refused or missing socket is tried again this long (an agent restart), within `timeout`.
+    pub restart_wait: Duration,
     pub supervisor: PathBuf,
     pub isolation: Option<Isolation>,
 }
@@ -55,6 +62,7 @@ impl Default for PlugConfig {
             default_mode: Mode::Requeue,
             required_agent: false,
             timeout: Duration::from_millis(2000),
+            restart_wait: Duration::from_millis(1000),
             supervisor: "/usr/bin/mpsr-run".into(),
             isolation: None,
         }
@@ -156,6 +164,14 @@ impl PlugConfig {
                         .filter(|ms| (1..=60_000).contains(ms))
                         .ok_or_else(|| bad("timeout_ms", "milliseconds in 1..=60000"))?;
                     c.timeout = Duration::from_millis(ms);
+                }
+                "restart_wait_ms" => {
+                    let ms: u64 = v
+                        .parse()
+                        .ok()
+                        .filter(|ms| *ms <= 60_000)
+                        .ok_or_else(|| bad("restart_wait_ms", "milliseconds in 0..=60000"))?;
+                    c.restart_wait = Duration::from_millis(ms);
                 }
                 "isolation" if v.is_empty() => c.isolation = None,
                 "isolation" => {
