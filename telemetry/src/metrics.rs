@@ -4,7 +4,7 @@
 //! device value onto every job of a shared GPU, which says nothing about each job).
 
 use crate::detect::Subject;
-use crate::sample::{clock_event, GpuReading, Snapshot};
+use crate::sample::{clock_event, GpuReading, GpuSample, Snapshot};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -103,251 +103,290 @@ fn families(s: &Snapshot) -> Vec<Family> {
         .map(|g| (g.gpu, g.uuid.clone()))
         .collect();
     for r in &s.tick.gpus {
-        let gl = |extra: &[(&str, String)]| {
-            let mut v = l(&[
-                ("gpu", r.gpu().to_string()),
-                ("UUID", uuid_of.get(&r.gpu()).cloned().unwrap_or_default()),
-            ]);
-            v.extend(l(extra));
-            v
-        };
-        out.add(
-            "mpsr_gpu_up",
-            "1 when the GPU answered this round, 0 when lost or not read",
-            false,
-            gl(&[]),
-            matches!(r, GpuReading::Sample(_)) as u8 as f64,
-        );
-        let Some(g) = r.sample() else { continue };
-        let f = |v: Option<u64>| v.map(|v| v as f64);
-        out.opt(
-            "mpsr_gpu_utilization_ratio",
-            "Fraction of time a kernel ran (NVML)",
-            false,
-            gl(&[]),
-            g.util,
-        );
-        out.opt(
-            "mpsr_gpu_memory_copy_utilization_ratio",
-            "Fraction of time memory was read or written (NVML)",
-            false,
-            gl(&[]),
-            g.mem_copy_util,
-        );
-        out.opt(
-            "mpsr_gpu_memory_used_bytes",
-            "GPU memory used",
-            false,
-            gl(&[]),
-            f(g.mem_used_bytes),
-        );
-        out.opt(
-            "mpsr_gpu_memory_total_bytes",
-            "GPU memory in total",
-            false,
-            gl(&[]),
-            f(g.mem_total_bytes),
-        );
-        out.opt(
-            "mpsr_gpu_sm_clock_hertz",
-            "SM clock",
-            false,
-            gl(&[]),
-            g.sm_clock_mhz.map(|m| m as f64 * 1e6),
-        );
-        out.opt(
-            "mpsr_gpu_sm_clock_max_hertz",
-            "Maximum SM clock",
-            false,
-            gl(&[]),
-            g.sm_clock_max_mhz.map(|m| m as f64 * 1e6),
-        );
-        if let Some(bits) = g.clock_events {
-            for name in clock_event::names(u64::MAX) {
-                let on = clock_event::names(bits).contains(&name);
-                out.add(
-                    "mpsr_gpu_clock_event_active",
-                    "1 while this clocks-event reason holds the clocks (NVML)",
-                    false,
-                    gl(&[("reason", name.to_string())]),
-                    on as u8 as f64,
-                );
-            }
-        }
-        out.opt(
-            "mpsr_gpu_power_watts",
-            "Power draw (NVML, 1 s average on Hopper)",
-            false,
-            gl(&[]),
-            g.power_w,
-        );
-        out.opt(
-            "mpsr_gpu_power_limit_watts",
-            "Enforced power limit",
-            false,
-            gl(&[]),
-            g.power_limit_w,
-        );
-        out.opt(
-            "mpsr_gpu_energy_joules",
-            "Energy since the driver loaded",
-            true,
-            gl(&[]),
-            g.energy_j,
-        );
-        out.opt(
-            "mpsr_gpu_temperature_celsius",
-            "GPU temperature",
-            false,
-            gl(&[]),
-            g.temp_c,
-        );
-        out.opt(
-            "mpsr_gpu_slowdown_temperature_celsius",
-            "Temperature at which the GPU slows down",
-            false,
-            gl(&[]),
-            g.temp_slowdown_c,
-        );
-        for (kind, counter, v) in [
-            ("corrected", "volatile", g.ecc_corrected_volatile),
-            ("uncorrected", "volatile", g.ecc_uncorrected_volatile),
-            ("corrected", "aggregate", g.ecc_corrected_aggregate),
-            ("uncorrected", "aggregate", g.ecc_uncorrected_aggregate),
-        ] {
-            out.opt(
-                "mpsr_gpu_ecc_errors",
-                "ECC errors (volatile: since the driver loaded; aggregate: lifetime)",
-                true,
-                gl(&[("type", kind.into()), ("counter", counter.into())]),
-                f(v),
+        gpu_families(&mut out, r, &uuid_of);
+    }
+    client_and_job_families(&mut out, s, &uuid_of);
+    nic_and_finding_families(&mut out, s);
+    out.0
+}
+
+/// A GPU's series (`mpsr_gpu_up` for each, the rest for one that answered).
+fn gpu_families(out: &mut Fams, r: &GpuReading, uuid_of: &BTreeMap<u32, String>) {
+    let gl = |extra: &[(&str, String)]| {
+        let mut v = l(&[
+            ("gpu", r.gpu().to_string()),
+            ("UUID", uuid_of.get(&r.gpu()).cloned().unwrap_or_default()),
+        ]);
+        v.extend(l(extra));
+        v
+    };
+    out.add(
+        "mpsr_gpu_up",
+        "1 when the GPU answered this round, 0 when lost or not read",
+        false,
+        gl(&[]),
+        matches!(r, GpuReading::Sample(_)) as u8 as f64,
+    );
+    let Some(g) = r.sample() else { return };
+    gpu_activity(out, g, &gl);
+    gpu_power(out, g, &gl);
+    gpu_errors(out, g, &gl);
+    gpu_links(out, g, &gl);
+    gpu_limits_and_pipes(out, g, &gl);
+}
+
+/// Utilization, memory and clocks.
+fn gpu_activity(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+    let f = |v: Option<u64>| v.map(|v| v as f64);
+    out.opt(
+        "mpsr_gpu_utilization_ratio",
+        "Fraction of time a kernel ran (NVML)",
+        false,
+        gl(&[]),
+        g.util,
+    );
+    out.opt(
+        "mpsr_gpu_memory_copy_utilization_ratio",
+        "Fraction of time memory was read or written (NVML)",
+        false,
+        gl(&[]),
+        g.mem_copy_util,
+    );
+    out.opt(
+        "mpsr_gpu_memory_used_bytes",
+        "GPU memory used",
+        false,
+        gl(&[]),
+        f(g.mem_used_bytes),
+    );
+    out.opt(
+        "mpsr_gpu_memory_total_bytes",
+        "GPU memory in total",
+        false,
+        gl(&[]),
+        f(g.mem_total_bytes),
+    );
+    out.opt(
+        "mpsr_gpu_sm_clock_hertz",
+        "SM clock",
+        false,
+        gl(&[]),
+        g.sm_clock_mhz.map(|m| m as f64 * 1e6),
+    );
+    out.opt(
+        "mpsr_gpu_sm_clock_max_hertz",
+        "Maximum SM clock",
+        false,
+        gl(&[]),
+        g.sm_clock_max_mhz.map(|m| m as f64 * 1e6),
+    );
+    if let Some(bits) = g.clock_events {
+        for name in clock_event::names(u64::MAX) {
+            let on = clock_event::names(bits).contains(&name);
+            out.add(
+                "mpsr_gpu_clock_event_active",
+                "1 while this clocks-event reason holds the clocks (NVML)",
+                false,
+                gl(&[("reason", name.to_string())]),
+                on as u8 as f64,
             );
         }
-        for (cause, v) in [
-            ("correctable", g.remapped_rows_correctable),
-            ("uncorrectable", g.remapped_rows_uncorrectable),
-        ] {
-            out.opt(
-                "mpsr_gpu_remapped_rows",
-                "Rows remapped, by the error that caused it",
-                true,
-                gl(&[("cause", cause.into())]),
-                f(v),
-            );
-        }
+    }
+}
+
+/// Power, energy and temperature.
+fn gpu_power(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+    out.opt(
+        "mpsr_gpu_power_watts",
+        "Power draw (NVML, 1 s average on Hopper)",
+        false,
+        gl(&[]),
+        g.power_w,
+    );
+    out.opt(
+        "mpsr_gpu_power_limit_watts",
+        "Enforced power limit",
+        false,
+        gl(&[]),
+        g.power_limit_w,
+    );
+    out.opt(
+        "mpsr_gpu_energy_joules",
+        "Energy since the driver loaded",
+        true,
+        gl(&[]),
+        g.energy_j,
+    );
+    out.opt(
+        "mpsr_gpu_temperature_celsius",
+        "GPU temperature",
+        false,
+        gl(&[]),
+        g.temp_c,
+    );
+    out.opt(
+        "mpsr_gpu_slowdown_temperature_celsius",
+        "Temperature at which the GPU slows down",
+        false,
+        gl(&[]),
+        g.temp_slowdown_c,
+    );
+}
+
+/// ECC errors, row remapping and PCIe replays: what wears out.
+fn gpu_errors(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+    let f = |v: Option<u64>| v.map(|v| v as f64);
+    for (kind, counter, v) in [
+        ("corrected", "volatile", g.ecc_corrected_volatile),
+        ("uncorrected", "volatile", g.ecc_uncorrected_volatile),
+        ("corrected", "aggregate", g.ecc_corrected_aggregate),
+        ("uncorrected", "aggregate", g.ecc_uncorrected_aggregate),
+    ] {
         out.opt(
-            "mpsr_gpu_row_remap_pending",
-            "1 when a row remap waits for a GPU reset",
-            false,
-            gl(&[]),
-            g.remap_pending.map(|b| b as u8 as f64),
-        );
-        out.opt(
-            "mpsr_gpu_row_remap_failure",
-            "1 when a row remap failed",
-            false,
-            gl(&[]),
-            g.remap_failure.map(|b| b as u8 as f64),
-        );
-        out.opt(
-            "mpsr_gpu_pcie_replays",
-            "PCIe replays",
+            "mpsr_gpu_ecc_errors",
+            "ECC errors (volatile: since the driver loaded; aggregate: lifetime)",
             true,
-            gl(&[]),
-            f(g.pcie_replays),
-        );
-        out.opt(
-            "mpsr_gpu_pcie_link_gen",
-            "Current PCIe link generation",
-            false,
-            gl(&[]),
-            g.pcie_gen.map(f64::from),
-        );
-        out.opt(
-            "mpsr_gpu_pcie_link_gen_max",
-            "Maximum PCIe link generation",
-            false,
-            gl(&[]),
-            g.pcie_gen_max.map(f64::from),
-        );
-        out.opt(
-            "mpsr_gpu_pcie_link_width",
-            "Current PCIe link width (lanes)",
-            false,
-            gl(&[]),
-            g.pcie_width.map(f64::from),
-        );
-        out.opt(
-            "mpsr_gpu_pcie_link_width_max",
-            "Maximum PCIe link width (lanes)",
-            false,
-            gl(&[]),
-            g.pcie_width_max.map(f64::from),
-        );
-        out.opt(
-            "mpsr_gpu_pcie_bytes_per_second",
-            "PCIe throughput (NVML, 20 ms window)",
-            false,
-            gl(&[("direction", "tx".into())]),
-            g.pcie_tx_bytes_per_s,
-        );
-        out.opt(
-            "mpsr_gpu_pcie_bytes_per_second",
-            "PCIe throughput (NVML, 20 ms window)",
-            false,
-            gl(&[("direction", "rx".into())]),
-            g.pcie_rx_bytes_per_s,
-        );
-        out.opt(
-            "mpsr_gpu_nvlink_errors",
-            "NVLink replay, recovery and CRC errors, all links",
-            true,
-            gl(&[]),
-            f(g.nvlink_errors),
-        );
-        out.opt(
-            "mpsr_gpu_clock_violation_seconds",
-            "Time clocks were held down by a limit",
-            true,
-            gl(&[("limit", "power".into())]),
-            g.violation_power_ns.map(|n| n as f64 / 1e9),
-        );
-        out.opt(
-            "mpsr_gpu_clock_violation_seconds",
-            "Time clocks were held down by a limit",
-            true,
-            gl(&[("limit", "thermal".into())]),
-            g.violation_thermal_ns.map(|n| n as f64 / 1e9),
-        );
-        out.opt(
-            "mpsr_gpu_sm_active_ratio",
-            "Fraction of cycles an SM had a warp (GPM)",
-            false,
-            gl(&[]),
-            g.sm_active,
-        );
-        out.opt(
-            "mpsr_gpu_sm_occupancy_ratio",
-            "Resident warps over the maximum (GPM)",
-            false,
-            gl(&[]),
-            g.sm_occupancy,
-        );
-        out.opt(
-            "mpsr_gpu_tensor_active_ratio",
-            "Fraction of cycles a tensor pipe was active (GPM)",
-            false,
-            gl(&[]),
-            g.tensor_active,
-        );
-        out.opt(
-            "mpsr_gpu_dram_active_ratio",
-            "Fraction of cycles the memory interface was active (GPM)",
-            false,
-            gl(&[]),
-            g.dram_active,
+            gl(&[("type", kind.into()), ("counter", counter.into())]),
+            f(v),
         );
     }
+    for (cause, v) in [
+        ("correctable", g.remapped_rows_correctable),
+        ("uncorrectable", g.remapped_rows_uncorrectable),
+    ] {
+        out.opt(
+            "mpsr_gpu_remapped_rows",
+            "Rows remapped, by the error that caused it",
+            true,
+            gl(&[("cause", cause.into())]),
+            f(v),
+        );
+    }
+    out.opt(
+        "mpsr_gpu_row_remap_pending",
+        "1 when a row remap waits for a GPU reset",
+        false,
+        gl(&[]),
+        g.remap_pending.map(|b| b as u8 as f64),
+    );
+    out.opt(
+        "mpsr_gpu_row_remap_failure",
+        "1 when a row remap failed",
+        false,
+        gl(&[]),
+        g.remap_failure.map(|b| b as u8 as f64),
+    );
+    out.opt(
+        "mpsr_gpu_pcie_replays",
+        "PCIe replays",
+        true,
+        gl(&[]),
+        f(g.pcie_replays),
+    );
+}
+
+/// PCIe and NVLink links.
+fn gpu_links(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+    let f = |v: Option<u64>| v.map(|v| v as f64);
+    out.opt(
+        "mpsr_gpu_pcie_link_gen",
+        "Current PCIe link generation",
+        false,
+        gl(&[]),
+        g.pcie_gen.map(f64::from),
+    );
+    out.opt(
+        "mpsr_gpu_pcie_link_gen_max",
+        "Maximum PCIe link generation",
+        false,
+        gl(&[]),
+        g.pcie_gen_max.map(f64::from),
+    );
+    out.opt(
+        "mpsr_gpu_pcie_link_width",
+        "Current PCIe link width (lanes)",
+        false,
+        gl(&[]),
+        g.pcie_width.map(f64::from),
+    );
+    out.opt(
+        "mpsr_gpu_pcie_link_width_max",
+        "Maximum PCIe link width (lanes)",
+        false,
+        gl(&[]),
+        g.pcie_width_max.map(f64::from),
+    );
+    out.opt(
+        "mpsr_gpu_pcie_bytes_per_second",
+        "PCIe throughput (NVML, 20 ms window)",
+        false,
+        gl(&[("direction", "tx".into())]),
+        g.pcie_tx_bytes_per_s,
+    );
+    out.opt(
+        "mpsr_gpu_pcie_bytes_per_second",
+        "PCIe throughput (NVML, 20 ms window)",
+        false,
+        gl(&[("direction", "rx".into())]),
+        g.pcie_rx_bytes_per_s,
+    );
+    out.opt(
+        "mpsr_gpu_nvlink_errors",
+        "NVLink replay, recovery and CRC errors, all links",
+        true,
+        gl(&[]),
+        f(g.nvlink_errors),
+    );
+}
+
+/// Time clocks were held down by a limit, and GPM pipe activity.
+fn gpu_limits_and_pipes(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+    out.opt(
+        "mpsr_gpu_clock_violation_seconds",
+        "Time clocks were held down by a limit",
+        true,
+        gl(&[("limit", "power".into())]),
+        g.violation_power_ns.map(|n| n as f64 / 1e9),
+    );
+    out.opt(
+        "mpsr_gpu_clock_violation_seconds",
+        "Time clocks were held down by a limit",
+        true,
+        gl(&[("limit", "thermal".into())]),
+        g.violation_thermal_ns.map(|n| n as f64 / 1e9),
+    );
+    out.opt(
+        "mpsr_gpu_sm_active_ratio",
+        "Fraction of cycles an SM had a warp (GPM)",
+        false,
+        gl(&[]),
+        g.sm_active,
+    );
+    out.opt(
+        "mpsr_gpu_sm_occupancy_ratio",
+        "Resident warps over the maximum (GPM)",
+        false,
+        gl(&[]),
+        g.sm_occupancy,
+    );
+    out.opt(
+        "mpsr_gpu_tensor_active_ratio",
+        "Fraction of cycles a tensor pipe was active (GPM)",
+        false,
+        gl(&[]),
+        g.tensor_active,
+    );
+    out.opt(
+        "mpsr_gpu_dram_active_ratio",
+        "Fraction of cycles the memory interface was active (GPM)",
+        false,
+        gl(&[]),
+        g.dram_active,
+    );
+}
+
+/// Per-process series of the GPU clients, and per-job sums of them.
+fn client_and_job_families(out: &mut Fams, s: &Snapshot, uuid_of: &BTreeMap<u32, String>) {
     let mut jobs: BTreeMap<(u32, u32), (f64, u32)> = BTreeMap::new();
     for c in &s.tick.clients {
         let mut labels = l(&[
@@ -414,6 +453,10 @@ fn families(s: &Snapshot) -> Vec<Family> {
             n as f64,
         );
     }
+}
+
+/// Network ports, and the pathology findings active now.
+fn nic_and_finding_families(out: &mut Fams, s: &Snapshot) {
     for n in &s.tick.nics {
         let labels = l(&[("port", n.port.clone())]);
         for (name, help, v) in [
@@ -465,7 +508,6 @@ fn families(s: &Snapshot) -> Vec<Family> {
             1.0,
         );
     }
-    out.0
 }
 
 /// Encodes a snapshot on each scrape.
