@@ -3,7 +3,7 @@
 //! measured this round (not supported, a gap) changes nothing: it neither confirms nor clears.
 
 use crate::rules::{self, Measure, Rule, RuleId, Severity, IDLE_ALLOCATION_BYTES};
-use crate::sample::{ClientSample, GpuReading, Owner, Tick};
+use crate::sample::{ClientSample, GpuReading, GpuSample, Owner, Tick};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -147,6 +147,18 @@ pub fn client_util(tick: &Tick, c: &ClientSample) -> Option<f64> {
         tick.gpu(c.gpu)?.util
     } else {
         None
+    }
+}
+
+/// A GPU's measurement, with the jobs on that GPU as the others a finding names.
+fn gpu_measured(tick: &Tick, gpu: u32, value: Option<f64>, detail: String) -> Measured {
+    Measured {
+        subject: Subject::Gpu { gpu },
+        value,
+        gpu: Some(gpu),
+        owner: None,
+        others: owners_on(tick, gpu, None),
+        detail,
     }
 }
 
@@ -299,341 +311,372 @@ impl Detector {
     }
 
     fn measure(&mut self, rule: &Rule, tick: &Tick) -> Vec<Measured> {
-        let gpu_m = |gpu: u32, value: Option<f64>, detail: String| Measured {
-            subject: Subject::Gpu { gpu },
-            value,
-            gpu: Some(gpu),
-            owner: None,
-            others: owners_on(tick, gpu, None),
-            detail,
-        };
         match rule.measure {
-            Measure::Gpu(f) => tick
-                .gpus
-                .iter()
-                .filter_map(GpuReading::sample)
-                .map(|s| {
-                    let v = f(s);
-                    let detail = match rule.id {
-                        RuleId::HwSlowdown => format!(
-                            "clock events {}, SM {} MHz",
-                            crate::sample::clock_event::names(s.clock_events.unwrap_or(0))
-                                .join(","),
-                            s.sm_clock_mhz.unwrap_or(0)
-                        ),
-                        _ => format!("{} = {:.2}", rule.name, v.unwrap_or(f64::NAN)),
-                    };
-                    gpu_m(s.gpu, v, detail)
-                })
-                .collect(),
-            Measure::GpuRate(f) => {
-                let samples: Vec<_> = tick.gpus.iter().filter_map(GpuReading::sample).collect();
-                samples
-                    .into_iter()
-                    .map(|s| {
-                        let subj = Subject::Gpu { gpu: s.gpu };
-                        let v = self.rate(rule.id, &subj, tick.t, f(s));
-                        gpu_m(s.gpu, v, format!("{:.1} per minute", v.unwrap_or(0.0)))
-                    })
-                    .collect()
-            }
-            Measure::PcieReplayBound => {
-                let samples: Vec<_> = tick.gpus.iter().filter_map(GpuReading::sample).collect();
-                samples
-                    .into_iter()
-                    .map(|s| {
-                        let subj = Subject::Gpu { gpu: s.gpu };
-                        let rate = self.rate(rule.id, &subj, tick.t, s.pcie_replays);
-                        let bound = s
-                            .pcie_gen_max
-                            .zip(s.pcie_width_max)
-                            .and_then(|(g, w)| rules::pcie_replay_bound_per_min(g, w));
-                        let v = rate.zip(bound).map(|(r, b)| r / b);
-                        gpu_m(
-                            s.gpu,
-                            v,
-                            format!(
-                                "{:.1} replays per minute (bound {:.0})",
-                                rate.unwrap_or(0.0),
-                                bound.unwrap_or(0.0)
-                            ),
-                        )
-                    })
-                    .collect()
-            }
-            Measure::GpuUnreadable => tick
-                .gpus
-                .iter()
-                .map(|r| {
-                    let v = match r {
-                        GpuReading::Lost { .. } => Some(1.0),
-                        GpuReading::Sample(_) => Some(0.0),
-                        GpuReading::Gap { .. } => None,
-                    };
-                    gpu_m(r.gpu(), v, "NVML: GPU lost".into())
-                })
-                .collect(),
-            Measure::ClockVsPeers => {
-                let busy: Vec<(u32, f64)> = tick
-                    .gpus
+            Measure::Gpu(f) => self.gpu_value(rule, tick, f),
+            Measure::GpuRate(f) => self.gpu_rate(rule, tick, f),
+            Measure::PcieReplayBound => self.pcie_replay_bound(rule, tick),
+            Measure::GpuUnreadable => self.gpu_unreadable(tick),
+            Measure::ClockVsPeers => self.clock_vs_peers(tick),
+            Measure::RankUtilVsPeers => self.rank_util_vs_peers(tick),
+            Measure::JobMemorySpread => self.job_memory_spread(tick),
+            Measure::MemoryUsed => self.memory_used(tick),
+            Measure::GpuShare => self.gpu_share(tick),
+            Measure::ServerSaturated => self.server_saturated(tick),
+            Measure::IdleAllocation => self.idle_allocation(tick),
+            Measure::NicErrorRate => self.nic_error_rate(rule, tick),
+        }
+    }
+
+    fn gpu_value(
+        &mut self,
+        rule: &Rule,
+        tick: &Tick,
+        f: fn(&GpuSample) -> Option<f64>,
+    ) -> Vec<Measured> {
+        tick.gpus
+            .iter()
+            .filter_map(GpuReading::sample)
+            .map(|s| {
+                let v = f(s);
+                let detail = match rule.id {
+                    RuleId::HwSlowdown => format!(
+                        "clock events {}, SM {} MHz",
+                        crate::sample::clock_event::names(s.clock_events.unwrap_or(0)).join(","),
+                        s.sm_clock_mhz.unwrap_or(0)
+                    ),
+                    _ => format!("{} = {:.2}", rule.name, v.unwrap_or(f64::NAN)),
+                };
+                gpu_measured(tick, s.gpu, v, detail)
+            })
+            .collect()
+    }
+
+    fn gpu_rate(
+        &mut self,
+        rule: &Rule,
+        tick: &Tick,
+        f: fn(&GpuSample) -> Option<u64>,
+    ) -> Vec<Measured> {
+        let samples: Vec<_> = tick.gpus.iter().filter_map(GpuReading::sample).collect();
+        samples
+            .into_iter()
+            .map(|s| {
+                let subj = Subject::Gpu { gpu: s.gpu };
+                let v = self.rate(rule.id, &subj, tick.t, f(s));
+                gpu_measured(
+                    tick,
+                    s.gpu,
+                    v,
+                    format!("{:.1} per minute", v.unwrap_or(0.0)),
+                )
+            })
+            .collect()
+    }
+
+    fn pcie_replay_bound(&mut self, rule: &Rule, tick: &Tick) -> Vec<Measured> {
+        let samples: Vec<_> = tick.gpus.iter().filter_map(GpuReading::sample).collect();
+        samples
+            .into_iter()
+            .map(|s| {
+                let subj = Subject::Gpu { gpu: s.gpu };
+                let rate = self.rate(rule.id, &subj, tick.t, s.pcie_replays);
+                let bound = s
+                    .pcie_gen_max
+                    .zip(s.pcie_width_max)
+                    .and_then(|(g, w)| rules::pcie_replay_bound_per_min(g, w));
+                let v = rate.zip(bound).map(|(r, b)| r / b);
+                gpu_measured(
+                    tick,
+                    s.gpu,
+                    v,
+                    format!(
+                        "{:.1} replays per minute (bound {:.0})",
+                        rate.unwrap_or(0.0),
+                        bound.unwrap_or(0.0)
+                    ),
+                )
+            })
+            .collect()
+    }
+
+    fn gpu_unreadable(&mut self, tick: &Tick) -> Vec<Measured> {
+        tick.gpus
+            .iter()
+            .map(|r| {
+                let v = match r {
+                    GpuReading::Lost { .. } => Some(1.0),
+                    GpuReading::Sample(_) => Some(0.0),
+                    GpuReading::Gap { .. } => None,
+                };
+                gpu_measured(tick, r.gpu(), v, "NVML: GPU lost".into())
+            })
+            .collect()
+    }
+
+    fn clock_vs_peers(&mut self, tick: &Tick) -> Vec<Measured> {
+        let busy: Vec<(u32, f64)> = tick
+            .gpus
+            .iter()
+            .filter_map(GpuReading::sample)
+            .filter(|s| s.util.is_some_and(|u| u >= 0.5))
+            .filter_map(|s| Some((s.gpu, s.sm_clock_mhz? as f64)))
+            .collect();
+        busy.iter()
+            .map(|&(g, c)| {
+                let peers: Vec<f64> = busy.iter().filter(|(o, _)| *o != g).map(|p| p.1).collect();
+                let m = median(peers).filter(|m| *m > 0.0);
+                gpu_measured(
+                    tick,
+                    g,
+                    m.map(|m| c / m),
+                    format!("SM {c:.0} MHz vs peers' median {:.0}", m.unwrap_or(0.0)),
+                )
+            })
+            .collect()
+    }
+
+    fn rank_util_vs_peers(&mut self, tick: &Tick) -> Vec<Measured> {
+        let ranks: Vec<(&ClientSample, Owner, Option<f64>)> = tick
+            .clients
+            .iter()
+            .filter_map(|c| Some((c, c.owner?, client_util(tick, c))))
+            .collect();
+        ranks
+            .iter()
+            .map(|&(c, o, u)| {
+                let peers: Vec<f64> = ranks
                     .iter()
-                    .filter_map(GpuReading::sample)
-                    .filter(|s| s.util.is_some_and(|u| u >= 0.5))
-                    .filter_map(|s| Some((s.gpu, s.sm_clock_mhz? as f64)))
+                    .filter(|(p, po, _)| po.job == o.job && p.pid != c.pid)
+                    .filter_map(|(_, _, u)| *u)
                     .collect();
-                busy.iter()
-                    .map(|&(g, c)| {
-                        let peers: Vec<f64> =
-                            busy.iter().filter(|(o, _)| *o != g).map(|p| p.1).collect();
-                        let m = median(peers).filter(|m| *m > 0.0);
-                        gpu_m(
-                            g,
-                            m.map(|m| c / m),
-                            format!("SM {c:.0} MHz vs peers' median {:.0}", m.unwrap_or(0.0)),
-                        )
-                    })
-                    .collect()
-            }
-            Measure::RankUtilVsPeers => {
-                let ranks: Vec<(&ClientSample, Owner, Option<f64>)> = tick
-                    .clients
-                    .iter()
-                    .filter_map(|c| Some((c, c.owner?, client_util(tick, c))))
-                    .collect();
-                ranks
-                    .iter()
-                    .map(|&(c, o, u)| {
-                        let peers: Vec<f64> = ranks
-                            .iter()
-                            .filter(|(p, po, _)| po.job == o.job && p.pid != c.pid)
-                            .filter_map(|(_, _, u)| *u)
-                            .collect();
-                        let m = median(peers).filter(|m| *m >= 0.2);
-                        Measured {
-                            subject: Subject::Client {
-                                gpu: c.gpu,
-                                pid: c.pid,
-                            },
-                            value: u.zip(m).map(|(u, m)| u / m),
-                            gpu: Some(c.gpu),
-                            owner: Some(o),
-                            others: Vec::new(),
-                            detail: format!(
-                                "utilization {:.0} % vs peers' median {:.0} %",
-                                u.unwrap_or(0.0) * 100.0,
-                                m.unwrap_or(0.0) * 100.0
-                            ),
-                        }
-                    })
-                    .collect()
-            }
-            Measure::JobMemorySpread => {
-                let mut jobs: BTreeMap<u32, Vec<(&ClientSample, Owner, u64)>> = BTreeMap::new();
-                for c in &tick.clients {
-                    if let (Some(o), Some(m)) = (c.owner, c.mem_used_bytes) {
-                        jobs.entry(o.job).or_default().push((c, o, m));
-                    }
+                let m = median(peers).filter(|m| *m >= 0.2);
+                Measured {
+                    subject: Subject::Client {
+                        gpu: c.gpu,
+                        pid: c.pid,
+                    },
+                    value: u.zip(m).map(|(u, m)| u / m),
+                    gpu: Some(c.gpu),
+                    owner: Some(o),
+                    others: Vec::new(),
+                    detail: format!(
+                        "utilization {:.0} % vs peers' median {:.0} %",
+                        u.unwrap_or(0.0) * 100.0,
+                        m.unwrap_or(0.0) * 100.0
+                    ),
                 }
-                jobs.into_iter()
-                    .map(|(job, ranks)| {
-                        let max = ranks.iter().max_by_key(|r| r.2);
-                        let min = ranks.iter().min_by_key(|r| r.2);
-                        let (value, owner, detail) = match (max, min) {
-                            (Some(hi), Some(lo)) if ranks.len() >= 2 => {
-                                let v = if hi.2 - lo.2 < IDLE_ALLOCATION_BYTES {
-                                    1.0
-                                } else {
-                                    hi.2 as f64 / (lo.2.max(1)) as f64
-                                };
-                                (
-                                    Some(v),
-                                    Some(hi.1),
-                                    format!(
-                                        "rank pid {} holds {:.1} GiB, rank pid {} {:.1} GiB",
-                                        hi.0.pid,
-                                        rules::gib(hi.2),
-                                        lo.0.pid,
-                                        rules::gib(lo.2)
-                                    ),
-                                )
-                            }
-                            _ => (None, None, String::new()),
-                        };
-                        Measured {
-                            subject: Subject::Job { job },
-                            value,
-                            gpu: owner
-                                .and_then(|o| ranks.iter().find(|r| r.1 == o).map(|r| r.0.gpu)),
-                            owner,
-                            others: Vec::new(),
-                            detail,
-                        }
-                    })
-                    .collect()
-            }
-            Measure::MemoryUsed => tick
-                .gpus
-                .iter()
-                .filter_map(GpuReading::sample)
-                .map(|s| {
-                    let v = s
-                        .mem_used_bytes
-                        .zip(s.mem_total_bytes.filter(|t| *t > 0))
-                        .map(|(u, t)| u as f64 / t as f64);
-                    let top = tick
-                        .clients
-                        .iter()
-                        .filter(|c| c.gpu == s.gpu)
-                        .max_by_key(|c| c.mem_used_bytes.unwrap_or(0));
-                    let owner = top.and_then(|c| c.owner);
-                    Measured {
-                        subject: Subject::Gpu { gpu: s.gpu },
-                        value: v,
-                        gpu: Some(s.gpu),
-                        owner,
-                        others: owners_on(tick, s.gpu, owner.map(|o| o.job)),
-                        detail: format!(
-                            "{:.1} of {:.1} GiB used, most by pid {}",
-                            rules::gib(s.mem_used_bytes.unwrap_or(0)),
-                            rules::gib(s.mem_total_bytes.unwrap_or(0)),
-                            top.map(|c| c.pid).unwrap_or(0)
-                        ),
-                    }
-                })
-                .collect(),
-            Measure::GpuShare => tick
-                .clients
-                .iter()
-                .map(|c| {
-                    let busy = tick
-                        .gpu(c.gpu)
-                        .and_then(|s| s.util)
-                        .is_some_and(|u| u >= 0.95);
-                    let on: Vec<&ClientSample> =
-                        tick.clients.iter().filter(|o| o.gpu == c.gpu).collect();
-                    let job = c.owner.map(|o| o.job);
-                    let shared = on
-                        .iter()
-                        .any(|o| o.owner.is_some() && o.owner.map(|x| x.job) != job);
-                    let total: f64 = on.iter().filter_map(|o| o.sm_util).sum();
-                    // No hog on a GPU that is not saturated or not shared: a clean value, so a
-                    // finding clears once the pressure is gone.
-                    let v = match (busy && shared && total > 0.0, c.sm_util) {
-                        (true, Some(u)) => Some(u / total),
-                        (false, Some(_)) => Some(0.0),
-                        (_, None) => None,
-                    };
-                    Measured {
-                        subject: Subject::Client {
-                            gpu: c.gpu,
-                            pid: c.pid,
-                        },
-                        value: v,
-                        gpu: Some(c.gpu),
-                        owner: c.owner,
-                        others: owners_on(tick, c.gpu, job),
-                        detail: format!(
-                            "pid {} takes {:.0} % of the GPU's client utilization",
-                            c.pid,
-                            v.unwrap_or(0.0) * 100.0
-                        ),
-                    }
-                })
-                .collect(),
-            Measure::ServerSaturated => {
-                let mut servers: BTreeMap<(u32, u32), BTreeSet<Owner>> = BTreeMap::new();
-                for c in &tick.clients {
-                    if let (Some(slot), Some(o)) = (c.slot, c.owner) {
-                        servers.entry((c.gpu, slot)).or_default().insert(o);
-                    }
-                }
-                let keys: Vec<(u32, u32)> = servers.keys().copied().collect();
-                servers
-                    .iter()
-                    .map(|(&(gpu, slot), owners)| {
-                        let jobs: BTreeSet<u32> = owners.iter().map(|o| o.job).collect();
-                        let alone = keys.iter().all(|k| k.0 != gpu || k.1 == slot);
-                        let util = tick.gpu(gpu).and_then(|s| s.util);
-                        let v = match (jobs.len() >= 2, alone) {
-                            (false, _) => Some(0.0),
-                            // Other servers time-slice the GPU too: its utilization is not this one's.
-                            (true, false) => None,
-                            (true, true) => util,
-                        };
-                        let names: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
-                        Measured {
-                            subject: Subject::Server { gpu, slot },
-                            value: v,
-                            gpu: Some(gpu),
-                            owner: None,
-                            others: owners.iter().copied().collect(),
-                            detail: format!(
-                                "gpu{gpu} server {slot} {:.0} % busy with jobs {} in it",
-                                util.unwrap_or(0.0) * 100.0,
-                                names.join(",")
-                            ),
-                        }
-                    })
-                    .collect()
-            }
-            Measure::IdleAllocation => tick
-                .clients
-                .iter()
-                .map(|c| {
-                    let held = c.mem_used_bytes.unwrap_or(0);
-                    // Beside a busy client, a client computing nothing may be starved, not
-                    // idle: no verdict then.
-                    let crowded = tick.clients.iter().any(|o| {
-                        o.gpu == c.gpu && o.pid != c.pid && o.sm_util.is_some_and(|u| u >= 0.5)
-                    });
-                    let v = if held < IDLE_ALLOCATION_BYTES {
-                        Some(0.0)
-                    } else if crowded {
-                        None
-                    } else {
-                        client_util(tick, c).map(|u| if u <= 0.01 { 1.0 } else { 0.0 })
-                    };
-                    Measured {
-                        subject: Subject::Client {
-                            gpu: c.gpu,
-                            pid: c.pid,
-                        },
-                        value: v,
-                        gpu: Some(c.gpu),
-                        owner: c.owner,
-                        others: Vec::new(),
-                        detail: format!(
-                            "pid {} holds {:.1} GiB and computes nothing",
-                            c.pid,
-                            rules::gib(held)
-                        ),
-                    }
-                })
-                .collect(),
-            Measure::NicErrorRate => {
-                let nics = tick.nics.clone();
-                nics.iter()
-                    .map(|n| {
-                        let subject = Subject::Nic {
-                            port: n.port.clone(),
-                        };
-                        let v = self.rate(rule.id, &subject, tick.t, n.errors);
-                        Measured {
-                            subject,
-                            value: v,
-                            gpu: None,
-                            owner: None,
-                            others: Vec::new(),
-                            detail: format!(
-                                "{}: {:.1} errors per minute",
-                                n.port,
-                                v.unwrap_or(0.0)
-                            ),
-                        }
-                    })
-                    .collect()
+            })
+            .collect()
+    }
+
+    fn job_memory_spread(&mut self, tick: &Tick) -> Vec<Measured> {
+        let mut jobs: BTreeMap<u32, Vec<(&ClientSample, Owner, u64)>> = BTreeMap::new();
+        for c in &tick.clients {
+            if let (Some(o), Some(m)) = (c.owner, c.mem_used_bytes) {
+                jobs.entry(o.job).or_default().push((c, o, m));
             }
         }
+        jobs.into_iter()
+            .map(|(job, ranks)| {
+                let max = ranks.iter().max_by_key(|r| r.2);
+                let min = ranks.iter().min_by_key(|r| r.2);
+                let (value, owner, detail) = match (max, min) {
+                    (Some(hi), Some(lo)) if ranks.len() >= 2 => {
+                        let v = if hi.2 - lo.2 < IDLE_ALLOCATION_BYTES {
+                            1.0
+                        } else {
+                            hi.2 as f64 / (lo.2.max(1)) as f64
+                        };
+                        (
+                            Some(v),
+                            Some(hi.1),
+                            format!(
+                                "rank pid {} holds {:.1} GiB, rank pid {} {:.1} GiB",
+                                hi.0.pid,
+                                rules::gib(hi.2),
+                                lo.0.pid,
+                                rules::gib(lo.2)
+                            ),
+                        )
+                    }
+                    _ => (None, None, String::new()),
+                };
+                Measured {
+                    subject: Subject::Job { job },
+                    value,
+                    gpu: owner.and_then(|o| ranks.iter().find(|r| r.1 == o).map(|r| r.0.gpu)),
+                    owner,
+                    others: Vec::new(),
+                    detail,
+                }
+            })
+            .collect()
+    }
+
+    fn memory_used(&mut self, tick: &Tick) -> Vec<Measured> {
+        tick.gpus
+            .iter()
+            .filter_map(GpuReading::sample)
+            .map(|s| {
+                let v = s
+                    .mem_used_bytes
+                    .zip(s.mem_total_bytes.filter(|t| *t > 0))
+                    .map(|(u, t)| u as f64 / t as f64);
+                let top = tick
+                    .clients
+                    .iter()
+                    .filter(|c| c.gpu == s.gpu)
+                    .max_by_key(|c| c.mem_used_bytes.unwrap_or(0));
+                let owner = top.and_then(|c| c.owner);
+                Measured {
+                    subject: Subject::Gpu { gpu: s.gpu },
+                    value: v,
+                    gpu: Some(s.gpu),
+                    owner,
+                    others: owners_on(tick, s.gpu, owner.map(|o| o.job)),
+                    detail: format!(
+                        "{:.1} of {:.1} GiB used, most by pid {}",
+                        rules::gib(s.mem_used_bytes.unwrap_or(0)),
+                        rules::gib(s.mem_total_bytes.unwrap_or(0)),
+                        top.map(|c| c.pid).unwrap_or(0)
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    fn gpu_share(&mut self, tick: &Tick) -> Vec<Measured> {
+        tick.clients
+            .iter()
+            .map(|c| {
+                let busy = tick
+                    .gpu(c.gpu)
+                    .and_then(|s| s.util)
+                    .is_some_and(|u| u >= 0.95);
+                let on: Vec<&ClientSample> =
+                    tick.clients.iter().filter(|o| o.gpu == c.gpu).collect();
+                let job = c.owner.map(|o| o.job);
+                let shared = on
+                    .iter()
+                    .any(|o| o.owner.is_some() && o.owner.map(|x| x.job) != job);
+                let total: f64 = on.iter().filter_map(|o| o.sm_util).sum();
+                // No hog on a GPU that is not saturated or not shared: a clean value, so a
+                // finding clears once the pressure is gone.
+                let v = match (busy && shared && total > 0.0, c.sm_util) {
+                    (true, Some(u)) => Some(u / total),
+                    (false, Some(_)) => Some(0.0),
+                    (_, None) => None,
+                };
+                Measured {
+                    subject: Subject::Client {
+                        gpu: c.gpu,
+                        pid: c.pid,
+                    },
+                    value: v,
+                    gpu: Some(c.gpu),
+                    owner: c.owner,
+                    others: owners_on(tick, c.gpu, job),
+                    detail: format!(
+                        "pid {} takes {:.0} % of the GPU's client utilization",
+                        c.pid,
+                        v.unwrap_or(0.0) * 100.0
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    fn server_saturated(&mut self, tick: &Tick) -> Vec<Measured> {
+        let mut servers: BTreeMap<(u32, u32), BTreeSet<Owner>> = BTreeMap::new();
+        for c in &tick.clients {
+            if let (Some(slot), Some(o)) = (c.slot, c.owner) {
+                servers.entry((c.gpu, slot)).or_default().insert(o);
+            }
+        }
+        let keys: Vec<(u32, u32)> = servers.keys().copied().collect();
+        servers
+            .iter()
+            .map(|(&(gpu, slot), owners)| {
+                let jobs: BTreeSet<u32> = owners.iter().map(|o| o.job).collect();
+                let alone = keys.iter().all(|k| k.0 != gpu || k.1 == slot);
+                let util = tick.gpu(gpu).and_then(|s| s.util);
+                let v = match (jobs.len() >= 2, alone) {
+                    (false, _) => Some(0.0),
+                    // Other servers time-slice the GPU too: its utilization is not this one's.
+                    (true, false) => None,
+                    (true, true) => util,
+                };
+                let names: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
+                Measured {
+                    subject: Subject::Server { gpu, slot },
+                    value: v,
+                    gpu: Some(gpu),
+                    owner: None,
+                    others: owners.iter().copied().collect(),
+                    detail: format!(
+                        "gpu{gpu} server {slot} {:.0} % busy with jobs {} in it",
+                        util.unwrap_or(0.0) * 100.0,
+                        names.join(",")
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    fn idle_allocation(&mut self, tick: &Tick) -> Vec<Measured> {
+        tick.clients
+            .iter()
+            .map(|c| {
+                let held = c.mem_used_bytes.unwrap_or(0);
+                // Beside a busy client, a client computing nothing may be starved, not
+                // idle: no verdict then.
+                let crowded = tick.clients.iter().any(|o| {
+                    o.gpu == c.gpu && o.pid != c.pid && o.sm_util.is_some_and(|u| u >= 0.5)
+                });
+                let v = if held < IDLE_ALLOCATION_BYTES {
+                    Some(0.0)
+                } else if crowded {
+                    None
+                } else {
+                    client_util(tick, c).map(|u| if u <= 0.01 { 1.0 } else { 0.0 })
+                };
+                Measured {
+                    subject: Subject::Client {
+                        gpu: c.gpu,
+                        pid: c.pid,
+                    },
+                    value: v,
+                    gpu: Some(c.gpu),
+                    owner: c.owner,
+                    others: Vec::new(),
+                    detail: format!(
+                        "pid {} holds {:.1} GiB and computes nothing",
+                        c.pid,
+                        rules::gib(held)
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    fn nic_error_rate(&mut self, rule: &Rule, tick: &Tick) -> Vec<Measured> {
+        let nics = tick.nics.clone();
+        nics.iter()
+            .map(|n| {
+                let subject = Subject::Nic {
+                    port: n.port.clone(),
+                };
+                let v = self.rate(rule.id, &subject, tick.t, n.errors);
+                Measured {
+                    subject,
+                    value: v,
+                    gpu: None,
+                    owner: None,
+                    others: Vec::new(),
+                    detail: format!("{}: {:.1} errors per minute", n.port, v.unwrap_or(0.0)),
+                }
+            })
+            .collect()
     }
 }
 
