@@ -171,7 +171,6 @@ impl Scenario {
             ..Tick::default()
         };
         for gpu in 0..self.gpus {
-            let g = gpu as u64 * 64;
             if self.active(t, gpu, Pathology::GpuLost).is_some() {
                 tick.gpus.push(GpuReading::Lost { gpu });
                 continue;
@@ -181,119 +180,8 @@ impl Scenario {
                 continue;
             }
             let ranks: Vec<&Rank> = self.ranks.iter().filter(|r| r.gpu == gpu).collect();
-            // Each client's utilization first; the GPU's is the time any of them ran a kernel.
-            let hog = ranks
-                .iter()
-                .find(|r| self.client_hit(t, r.pid, Pathology::Hog))
-                .map(|r| r.pid);
-            let cu: Vec<f64> = ranks
-                .iter()
-                .map(|r| {
-                    let mut u = r.util + 0.04 * self.noise(round, 1000 + r.pid as u64);
-                    if self.client_hit(t, r.pid, Pathology::Straggler) {
-                        u *= 0.25;
-                    }
-                    if self.client_hit(t, r.pid, Pathology::IdleAllocation) {
-                        u = 0.0;
-                    }
-                    match hog {
-                        Some(h) if h == r.pid => u = 0.99,
-                        Some(_) => u = 0.01,
-                        None => {}
-                    }
-                    u.clamp(0.0, 1.0)
-                })
-                .collect();
-            let busy = 1.0 - cu.iter().map(|u| 1.0 - u).product::<f64>();
-            // An idle GPU reads exactly 0 (as NVML's does).
-            let util = if ranks.is_empty() || busy < 0.005 {
-                0.0
-            } else {
-                (busy + 0.02 * self.noise(round, g + 1)).clamp(0.0, 1.0)
-            };
-            let throttled = self.active(t, gpu, Pathology::Throttle).is_some();
-            let skewed = self.active(t, gpu, Pathology::ClockSkew).is_some();
-            let mut clock = SM_MAX as f64 - 20.0 * self.noise(round, g + 2).abs();
-            let mut events = if util < 0.05 {
-                clock_event::GPU_IDLE
-            } else {
-                0
-            };
-            if util > 0.5 && self.noise(round, g + 3) > 0.6 {
-                events |= clock_event::SW_POWER_CAP; // normal under load
-                clock -= 60.0;
-            }
-            if throttled {
-                events |= clock_event::HW_SLOWDOWN;
-                clock *= 0.6;
-            }
-            if skewed {
-                clock *= 0.7;
-            }
-            let slowdown = 87.0;
-            let temp = if self.active(t, gpu, Pathology::Thermal).is_some() {
-                slowdown - 1.0 + self.noise(round, g + 4)
-            } else {
-                40.0 + 20.0 * util + 2.0 * self.noise(round, g + 4)
-            };
-            let from = self.reset_at(t, gpu);
-            let unsupported = self.active(t, gpu, Pathology::NotSupported).is_some();
-            let c = |v: u64| (!unsupported).then_some(v);
-            let now = self.raw_counters(t, gpu);
-            let base = if from > 0.0 {
-                self.raw_counters(from, gpu)
-            } else {
-                [0; 4]
-            };
-            let [sbe, dbe, replay, nvl] = [0, 1, 2, 3].map(|i| now[i] - base[i]);
-            let mut mem_used: u64 = ranks.iter().map(|r| self.rank_mem(r, t)).sum::<u64>()
-                + 600 * (1 << 20) * (!ranks.is_empty()) as u64;
-            if self.active(t, gpu, Pathology::NearOom).is_some() {
-                mem_used = (H200_MEM as f64 * 0.97) as u64;
-            }
-            let s = GpuSample {
-                gpu,
-                uuid: format!("GPU-sim{gpu:04}-0000-0000-0000-000000000000"),
-                util: Some(util),
-                mem_copy_util: Some((util * 0.4).clamp(0.0, 1.0)),
-                mem_used_bytes: Some(mem_used),
-                mem_total_bytes: Some(H200_MEM),
-                sm_clock_mhz: Some(clock.max(0.0) as u32),
-                sm_clock_max_mhz: Some(SM_MAX),
-                clock_events: Some(events),
-                power_w: Some(90.0 + 560.0 * util + 15.0 * self.noise(round, g + 5)),
-                power_limit_w: Some(700.0),
-                energy_j: Some(t * (90.0 + 560.0 * busy)),
-                temp_c: Some(temp),
-                temp_slowdown_c: Some(slowdown),
-                ecc_corrected_volatile: c(sbe),
-                ecc_uncorrected_volatile: c(dbe),
-                ecc_corrected_aggregate: c(now[0] + 12),
-                ecc_uncorrected_aggregate: c(now[1]),
-                remapped_rows_correctable: c(0),
-                remapped_rows_uncorrectable: c(0),
-                remap_pending: (!unsupported)
-                    .then_some(self.active(t, gpu, Pathology::RemapPending).is_some()),
-                remap_failure: (!unsupported).then_some(false),
-                pcie_replays: c(replay),
-                pcie_gen: Some(if util < 0.05 { 1 } else { 5 }),
-                pcie_gen_max: Some(5),
-                pcie_width: Some(if self.active(t, gpu, Pathology::LinkDowngrade).is_some() {
-                    8
-                } else {
-                    16
-                }),
-                pcie_width_max: Some(16),
-                pcie_tx_bytes_per_s: Some(2e8 * util),
-                pcie_rx_bytes_per_s: Some(4e8 * util),
-                nvlink_errors: c(nvl),
-                violation_power_ns: c((t * 1e8 * util) as u64),
-                violation_thermal_ns: c(0),
-                sm_active: Some((util * 0.9).clamp(0.0, 1.0)),
-                sm_occupancy: Some((util * 0.5).clamp(0.0, 1.0)),
-                tensor_active: Some((util * 0.6).clamp(0.0, 1.0)),
-                dram_active: Some((util * 0.5).clamp(0.0, 1.0)),
-            };
+            let cu = self.client_utils(round, t, &ranks);
+            let s = self.gpu_sample(round, t, gpu, &ranks, &cu);
             tick.gpus.push(GpuReading::Sample(Box::new(s)));
             for (r, u) in ranks.into_iter().zip(cu) {
                 tick.clients.push(ClientSample {
@@ -319,6 +207,137 @@ impl Scenario {
             });
         }
         tick
+    }
+
+    /// Each client's utilization this round (a straggler, an idle allocation, a hog and the
+    /// others beside it).
+    fn client_utils(&self, round: u64, t: f64, ranks: &[&Rank]) -> Vec<f64> {
+        let hog = ranks
+            .iter()
+            .find(|r| self.client_hit(t, r.pid, Pathology::Hog))
+            .map(|r| r.pid);
+        ranks
+            .iter()
+            .map(|r| {
+                let mut u = r.util + 0.04 * self.noise(round, 1000 + r.pid as u64);
+                if self.client_hit(t, r.pid, Pathology::Straggler) {
+                    u *= 0.25;
+                }
+                if self.client_hit(t, r.pid, Pathology::IdleAllocation) {
+                    u = 0.0;
+                }
+                match hog {
+                    Some(h) if h == r.pid => u = 0.99,
+                    Some(_) => u = 0.01,
+                    None => {}
+                }
+                u.clamp(0.0, 1.0)
+            })
+            .collect()
+    }
+
+    /// The SM clock and NVML's clock-event bits of a GPU this busy.
+    fn clocks(&self, round: u64, t: f64, gpu: u32, util: f64) -> (f64, u64) {
+        let g = gpu as u64 * 64;
+        let mut clock = SM_MAX as f64 - 20.0 * self.noise(round, g + 2).abs();
+        let mut events = if util < 0.05 {
+            clock_event::GPU_IDLE
+        } else {
+            0
+        };
+        if util > 0.5 && self.noise(round, g + 3) > 0.6 {
+            events |= clock_event::SW_POWER_CAP; // normal under load
+            clock -= 60.0;
+        }
+        if self.active(t, gpu, Pathology::Throttle).is_some() {
+            events |= clock_event::HW_SLOWDOWN;
+            clock *= 0.6;
+        }
+        if self.active(t, gpu, Pathology::ClockSkew).is_some() {
+            clock *= 0.7;
+        }
+        (clock, events)
+    }
+
+    /// The error counters since the last counter reset (corrected and uncorrected ECC, PCIe
+    /// replays, NVLink errors), and the raw ones.
+    fn error_counters(&self, t: f64, gpu: u32) -> ([u64; 4], [u64; 4]) {
+        let from = self.reset_at(t, gpu);
+        let now = self.raw_counters(t, gpu);
+        let base = if from > 0.0 {
+            self.raw_counters(from, gpu)
+        } else {
+            [0; 4]
+        };
+        ([0, 1, 2, 3].map(|i| now[i] - base[i]), now)
+    }
+
+    /// One GPU's reading: its clients' work (`cu`) makes its utilization, clocks, power and heat.
+    fn gpu_sample(&self, round: u64, t: f64, gpu: u32, ranks: &[&Rank], cu: &[f64]) -> GpuSample {
+        let g = gpu as u64 * 64;
+        // The GPU's utilization is the time any of its clients ran a kernel.
+        let busy = 1.0 - cu.iter().map(|u| 1.0 - u).product::<f64>();
+        // An idle GPU reads exactly 0 (as NVML's does).
+        let util = if ranks.is_empty() || busy < 0.005 {
+            0.0
+        } else {
+            (busy + 0.02 * self.noise(round, g + 1)).clamp(0.0, 1.0)
+        };
+        let (clock, events) = self.clocks(round, t, gpu, util);
+        let slowdown = 87.0;
+        let temp = if self.active(t, gpu, Pathology::Thermal).is_some() {
+            slowdown - 1.0 + self.noise(round, g + 4)
+        } else {
+            40.0 + 20.0 * util + 2.0 * self.noise(round, g + 4)
+        };
+        let unsupported = self.active(t, gpu, Pathology::NotSupported).is_some();
+        let c = |v: u64| (!unsupported).then_some(v);
+        let ([sbe, dbe, replay, nvl], now) = self.error_counters(t, gpu);
+        let mut mem_used: u64 = ranks.iter().map(|r| self.rank_mem(r, t)).sum::<u64>()
+            + 600 * (1 << 20) * (!ranks.is_empty()) as u64;
+        if self.active(t, gpu, Pathology::NearOom).is_some() {
+            mem_used = (H200_MEM as f64 * 0.97) as u64;
+        }
+        let downgraded = self.active(t, gpu, Pathology::LinkDowngrade).is_some();
+        GpuSample {
+            gpu,
+            uuid: format!("GPU-sim{gpu:04}-0000-0000-0000-000000000000"),
+            util: Some(util),
+            mem_copy_util: Some((util * 0.4).clamp(0.0, 1.0)),
+            mem_used_bytes: Some(mem_used),
+            mem_total_bytes: Some(H200_MEM),
+            sm_clock_mhz: Some(clock.max(0.0) as u32),
+            sm_clock_max_mhz: Some(SM_MAX),
+            clock_events: Some(events),
+            power_w: Some(90.0 + 560.0 * util + 15.0 * self.noise(round, g + 5)),
+            power_limit_w: Some(700.0),
+            energy_j: Some(t * (90.0 + 560.0 * busy)),
+            temp_c: Some(temp),
+            temp_slowdown_c: Some(slowdown),
+            ecc_corrected_volatile: c(sbe),
+            ecc_uncorrected_volatile: c(dbe),
+            ecc_corrected_aggregate: c(now[0] + 12),
+            ecc_uncorrected_aggregate: c(now[1]),
+            remapped_rows_correctable: c(0),
+            remapped_rows_uncorrectable: c(0),
+            remap_pending: (!unsupported)
+                .then_some(self.active(t, gpu, Pathology::RemapPending).is_some()),
+            remap_failure: (!unsupported).then_some(false),
+            pcie_replays: c(replay),
+            pcie_gen: Some(if util < 0.05 { 1 } else { 5 }),
+            pcie_gen_max: Some(5),
+            pcie_width: Some(if downgraded { 8 } else { 16 }),
+            pcie_width_max: Some(16),
+            pcie_tx_bytes_per_s: Some(2e8 * util),
+            pcie_rx_bytes_per_s: Some(4e8 * util),
+            nvlink_errors: c(nvl),
+            violation_power_ns: c((t * 1e8 * util) as u64),
+            violation_thermal_ns: c(0),
+            sm_active: Some((util * 0.9).clamp(0.0, 1.0)),
+            sm_occupancy: Some((util * 0.5).clamp(0.0, 1.0)),
+            tensor_active: Some((util * 0.6).clamp(0.0, 1.0)),
+            dram_active: Some((util * 0.5).clamp(0.0, 1.0)),
+        }
     }
 
     fn rank_mem(&self, r: &Rank, t: f64) -> u64 {
