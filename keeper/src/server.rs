@@ -90,12 +90,7 @@ impl Keeper {
     }
 
     /// One request; `Some(fd)` goes out after the reply.
-    fn handle(
-        &self,
-        peer: PeerCred,
-        req: KeeperRequest,
-    ) -> (KeeperResponse, Option<std::os::fd::OwnedFd>) {
-        let user_op = |k: &Self| k.authorize(peer);
+    fn handle(&self, peer: PeerCred, req: KeeperRequest) -> Reply {
         match req {
             KeeperRequest::Ping => (
                 KeeperResponse::Pong {
@@ -105,82 +100,17 @@ impl Keeper {
                 },
                 None,
             ),
-            KeeperRequest::Stats => {
-                if peer.uid != 0 {
-                    return (err(ErrorCode::PermissionDenied, "stats are for root"), None);
-                }
-                let s = self.store();
-                (
-                    KeeperResponse::Stats {
-                        allocs: s.list(),
-                        total_bytes: s.total_bytes(),
-                    },
-                    None,
-                )
-            }
-            KeeperRequest::JobEnd { job_id, keep_for_s } => {
-                if peer.uid != 0 {
-                    return (
-                        err(
-                            ErrorCode::PermissionDenied,
-                            "job end is for the agent (root)",
-                        ),
-                        None,
-                    );
-                }
-                let n = self
-                    .store()
-                    .job_end(job_id, Duration::from_secs(keep_for_s));
-                if keep_for_s == 0 {
-                    self.snaps.remove_job(job_id);
-                }
-                eprintln!("mpsr-keeper gpu{}: job {job_id} ended; {n} allocation(s) freed in {keep_for_s} s", self.gpu);
-                (KeeperResponse::Ok, None)
-            }
-            KeeperRequest::Attach { name, bytes } => {
-                if !valid_name(&name) {
-                    return (
-                        err(
-                            ErrorCode::BadRequest,
-                            format!("invalid name '{name}' (letters, digits, . _ -; at most 64)"),
-                        ),
-                        None,
-                    );
-                }
-                let (job, uid) = match user_op(self) {
-                    Ok(j) => j,
-                    Err(r) => return (r, None),
-                };
-                let mut s = self.store();
-                let (bytes, origin, fd) =
-                    match s.attach(self.dev.as_ref(), &self.snaps, job, uid, &name, bytes) {
-                        Ok((a, origin)) => (a.mem.bytes(), origin, a.mem.export_fd()),
-                        Err(e) => return (self.store_error(e), None),
-                    };
-                match fd {
-                    Ok(fd) => (
-                        KeeperResponse::Attached {
-                            job_id: job,
-                            bytes,
-                            origin,
-                            kind: self.dev.kind(),
-                        },
-                        Some(fd),
-                    ),
-                    Err(e) => {
-                        self.check_fatal(&e);
-                        (err(ErrorCode::Internal, format!("export: {e}")), None)
-                    }
-                }
-            }
-            KeeperRequest::Detach { name } => match user_op(self) {
+            KeeperRequest::Stats => self.stats(peer),
+            KeeperRequest::JobEnd { job_id, keep_for_s } => self.job_end(peer, job_id, keep_for_s),
+            KeeperRequest::Attach { name, bytes } => self.attach(peer, name, bytes),
+            KeeperRequest::Detach { name } => match self.authorize(peer) {
                 Ok((job, uid)) => match self.store().get_owned(job, &name, uid) {
                     Ok(_) => (KeeperResponse::Ok, None),
                     Err(e) => (self.store_error(e), None),
                 },
                 Err(r) => (r, None),
             },
-            KeeperRequest::Release { name } => match user_op(self) {
+            KeeperRequest::Release { name } => match self.authorize(peer) {
                 Ok((job, uid)) => match self.store().release(job, &name, uid) {
                     Ok(()) => {
                         self.snaps.remove(job, &name);
@@ -190,49 +120,129 @@ impl Keeper {
                 },
                 Err(r) => (r, None),
             },
-            KeeperRequest::Checkpoint { name } => {
-                let (job, uid) = match user_op(self) {
-                    Ok(j) => j,
-                    Err(r) => return (r, None),
-                };
-                let t = Instant::now();
-                let s = self.store();
-                let names = match name {
-                    Some(n) => match s.get_owned(job, &n, uid) {
-                        Ok(_) => vec![n],
-                        Err(e) => return (self.store_error(e), None),
-                    },
-                    None => s.names(job),
-                };
-                let mut files = Vec::new();
-                let mut total = 0;
-                for n in names {
-                    let Ok(a) = s.get_owned(job, &n, uid) else {
-                        continue;
-                    };
-                    match self.snaps.save(job, &n, uid, a.mem.as_ref()) {
-                        Ok((p, b)) => {
-                            files.push(p.display().to_string());
-                            total += b;
-                        }
-                        Err(e) => {
-                            return (
-                                err(ErrorCode::Internal, format!("checkpoint '{n}': {e}")),
-                                None,
-                            )
-                        }
-                    }
-                }
-                (
-                    KeeperResponse::Checkpointed {
-                        files,
-                        bytes: total,
-                        ms: t.elapsed().as_millis() as u64,
-                    },
-                    None,
-                )
+            KeeperRequest::Checkpoint { name } => self.checkpoint(peer, name),
+        }
+    }
+
+    /// What the keeper holds (root only).
+    fn stats(&self, peer: PeerCred) -> Reply {
+        if peer.uid != 0 {
+            return (err(ErrorCode::PermissionDenied, "stats are for root"), None);
+        }
+        let s = self.store();
+        (
+            KeeperResponse::Stats {
+                allocs: s.list(),
+                total_bytes: s.total_bytes(),
+            },
+            None,
+        )
+    }
+
+    /// The agent says a job ended: its allocations are kept `keep_for_s` for a requeued run.
+    fn job_end(&self, peer: PeerCred, job_id: u32, keep_for_s: u64) -> Reply {
+        if peer.uid != 0 {
+            return (
+                err(
+                    ErrorCode::PermissionDenied,
+                    "job end is for the agent (root)",
+                ),
+                None,
+            );
+        }
+        let n = self
+            .store()
+            .job_end(job_id, Duration::from_secs(keep_for_s));
+        if keep_for_s == 0 {
+            self.snaps.remove_job(job_id);
+        }
+        eprintln!(
+            "mpsr-keeper gpu{}: job {job_id} ended; {n} allocation(s) freed in {keep_for_s} s",
+            self.gpu
+        );
+        (KeeperResponse::Ok, None)
+    }
+
+    /// A task of the caller's job maps (or first creates) the named allocation: its fd goes back.
+    fn attach(&self, peer: PeerCred, name: String, bytes: u64) -> Reply {
+        if !valid_name(&name) {
+            return (
+                err(
+                    ErrorCode::BadRequest,
+                    format!("invalid name '{name}' (letters, digits, . _ -; at most 64)"),
+                ),
+                None,
+            );
+        }
+        let (job, uid) = match self.authorize(peer) {
+            Ok(j) => j,
+            Err(r) => return (r, None),
+        };
+        let mut s = self.store();
+        let (bytes, origin, fd) =
+            match s.attach(self.dev.as_ref(), &self.snaps, job, uid, &name, bytes) {
+                Ok((a, origin)) => (a.mem.bytes(), origin, a.mem.export_fd()),
+                Err(e) => return (self.store_error(e), None),
+            };
+        match fd {
+            Ok(fd) => (
+                KeeperResponse::Attached {
+                    job_id: job,
+                    bytes,
+                    origin,
+                    kind: self.dev.kind(),
+                },
+                Some(fd),
+            ),
+            Err(e) => {
+                self.check_fatal(&e);
+                (err(ErrorCode::Internal, format!("export: {e}")), None)
             }
         }
+    }
+
+    /// Snapshots the caller's allocations (one, or all of its job) to disk.
+    fn checkpoint(&self, peer: PeerCred, name: Option<String>) -> Reply {
+        let (job, uid) = match self.authorize(peer) {
+            Ok(j) => j,
+            Err(r) => return (r, None),
+        };
+        let t = Instant::now();
+        let s = self.store();
+        let names = match name {
+            Some(n) => match s.get_owned(job, &n, uid) {
+                Ok(_) => vec![n],
+                Err(e) => return (self.store_error(e), None),
+            },
+            None => s.names(job),
+        };
+        let mut files = Vec::new();
+        let mut total = 0;
+        for n in names {
+            let Ok(a) = s.get_owned(job, &n, uid) else {
+                continue;
+            };
+            match self.snaps.save(job, &n, uid, a.mem.as_ref()) {
+                Ok((p, b)) => {
+                    files.push(p.display().to_string());
+                    total += b;
+                }
+                Err(e) => {
+                    return (
+                        err(ErrorCode::Internal, format!("checkpoint '{n}': {e}")),
+                        None,
+                    )
+                }
+            }
+        }
+        (
+            KeeperResponse::Checkpointed {
+                files,
+                bytes: total,
+                ms: t.elapsed().as_millis() as u64,
+            },
+            None,
+        )
     }
 
     /// Snapshots every allocation (the periodic schedule).
@@ -266,6 +276,9 @@ impl Keeper {
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     mpsr_proto::bind_world_socket(path, "keeper")
 }
+
+/// A keeper answer, with the fd of an attached allocation.
+type Reply = (KeeperResponse, Option<std::os::fd::OwnedFd>);
 
 /// Connections: users share 256, at most 32 each (one user cannot exhaust the keeper's threads
 /// nor lock out another user's jobs); root (the agent) has 32 of its own. An idle connection is
