@@ -524,28 +524,44 @@ impl SimGpus {
         culprit: Option<u32>,
         slot: Option<u32>,
     ) -> Result<Vec<u32>, SimError> {
-        let effect = physics::effect(xid);
-        let pci = gpu_pci(gpu);
-        // An MMU fault whose VA space the patched nvidia-uvm knows (driver-patch/).
-        let attributed = match culprit {
-            Some(pid) if xid == 31 && self.driver_patch != DriverPatch::Off => Some(pid),
-            _ => None,
-        };
-        if let Some(pid) = attributed {
-            let contained = self.driver_patch == DriverPatch::Containment;
-            // Printed before the cancel that makes the firmware report the Xid.
-            self.emit_kmsg(format!(
-                "NVRM: mpsr-isolate (PCI:{pci}): xid=31 culprit_pid={pid} contained={} engine=GRAPHICS veid=1 addr=0x7f0000001000 access=WRITE type=INVALID_PDE comm=simclient (simulated)",
-                u8::from(contained)
-            ));
-            if contained {
-                // Mapped to a scratch page and replayed: no cancel, so no Xid, no NVML event, no
-                // server fault; the culprit runs on until it is terminated.
-                return Ok(Vec::new());
-            }
+        if self.contained_by_the_patch(gpu, xid, culprit) {
+            // Mapped to a scratch page and replayed: no cancel, so no Xid, no NVML event, no
+            // server fault; the culprit runs on until it is terminated.
+            return Ok(Vec::new());
         }
+        let (fault, killed) = self.fault_of(gpu, xid, culprit, slot)?;
+        self.deliver(fault);
+        Ok(killed)
+    }
+
+    /// An MMU fault whose VA space the patched nvidia-uvm knows (driver-patch/): its isolation
+    /// line is printed (before the cancel that makes the firmware report the Xid). Whether the
+    /// patch contained it.
+    fn contained_by_the_patch(&self, gpu: u32, xid: u32, culprit: Option<u32>) -> bool {
+        let pid = match culprit {
+            Some(pid) if xid == 31 && self.driver_patch != DriverPatch::Off => pid,
+            _ => return false,
+        };
+        let contained = self.driver_patch == DriverPatch::Containment;
+        self.emit_kmsg(format!(
+            "NVRM: mpsr-isolate (PCI:{}): xid=31 culprit_pid={pid} contained={} engine=GRAPHICS veid=1 addr=0x7f0000001000 access=WRITE type=INVALID_PDE comm=simclient (simulated)",
+            gpu_pci(gpu),
+            u8::from(contained)
+        ));
+        contained
+    }
+
+    /// Which servers the fault reaches (the one the faulting work ran in, or all) and the
+    /// clients it kills at once: the busy ones (every client of a lost GPU).
+    fn fault_of(
+        &self,
+        gpu: u32,
+        xid: u32,
+        culprit: Option<u32>,
+        slot: Option<u32>,
+    ) -> Result<(Fault, Vec<u32>), SimError> {
+        let effect = physics::effect(xid);
         let g = lock(self.gpu(gpu)?);
-        // The server the faulting work ran in.
         let origin = slot
             .or_else(|| {
                 culprit.and_then(|p| {
@@ -576,7 +592,6 @@ impl SimGpus {
                 Reach::Gpu | Reach::Lost => true,
             })
             .collect();
-        // Who the fault kills: the busy clients of its servers (every client of a lost GPU).
         let killed: Vec<u32> = slots
             .iter()
             .filter_map(|k| g.servers.get(k))
@@ -584,7 +599,6 @@ impl SimGpus {
             .filter(|c| c.busy || lost)
             .map(|c| c.pid)
             .collect();
-        drop(g);
         let fault = Fault {
             gpu,
             xid,
@@ -592,13 +606,18 @@ impl SimGpus {
             lost,
             first_client,
         };
+        Ok((fault, killed))
+    }
+
+    /// The fault strikes and is reported: at once, or with the delays measured on an H200.
+    fn deliver(self: &Arc<Self>, fault: Fault) {
         match self.timing {
             FaultTiming::Instant => {
                 self.strike(&fault, true);
                 self.report(&fault);
             }
             FaultTiming::Measured => {
-                let t = physics::timing(xid);
+                let t = physics::timing(fault.xid);
                 let me = self.clone();
                 std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(t.report_ms));
@@ -611,7 +630,6 @@ impl SimGpus {
                 });
             }
         }
-        Ok(killed)
     }
 
     /// The fault hits its servers: each goes to FAULT with its clients poisoned (the server.log
