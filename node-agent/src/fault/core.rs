@@ -222,66 +222,13 @@ fn apply(
                     .culprit_job()
                     .map(|job| ActionKey::Annotate { fault: ev.id, job }),
             }),
-            Action::Requeue { job_id } => {
-                let restarts_before = run_of(st, *job_id);
-                enqueue(
-                    st,
-                    ActionKey::Requeue {
-                        fault: ev.id,
-                        job: *job_id,
-                    },
-                    ev.id,
-                    SlurmOp::Requeue {
-                        job_id: *job_id,
-                        restarts_before,
-                    },
-                );
-            }
-            Action::DrainNode { reason } => {
-                let known = st.d.unhealthy.insert(ev.gpu, (dec.class, reason.clone()));
-                // Already drained for this GPU and class: no second call (a node an admin
-                // resumed meanwhile is drained again by the health check).
-                if known.is_some_and(|(c, _)| c == dec.class) {
-                    continue;
-                }
-                enqueue(
-                    st,
-                    ActionKey::Drain { fault: ev.id },
-                    ev.id,
-                    SlurmOp::Drain {
-                        node: ctx.node.to_string(),
-                        reason: reason.clone(),
-                    },
-                );
-            }
+            Action::Requeue { job_id } => requeue(st, ev, *job_id),
+            Action::DrainNode { reason } => drain(st, ctx, ev, dec, reason),
             Action::Resume {
                 job_id,
                 step_id,
                 pid,
-            } => {
-                let k = (*job_id, *step_id, *pid);
-                // A standby takes over at the first decision; never the culprit's (it would
-                // fault again, in the domain where the other standbys wait).
-                let standby = (dec.culprit_job() != Some(*job_id))
-                    .then(|| take_armed_standby(&mut st.d, k))
-                    .flatten();
-                let line = match &standby {
-                    Some(sb) => format!("standby pid {} released to take over", sb.pid()),
-                    None => "resume in place handed over".to_string(),
-                };
-                hand_to_resume_board(&mut st.d, ev, k, hit.slot_of(k), None, line);
-                if let Some(sb) = standby {
-                    if let Some(e) = st.d.resume.get_mut(k) {
-                        e.takeover = Some(Takeover::Releasing(sb.pid()));
-                    }
-                    effects.push(Effect::Release(Release {
-                        fault_id: ev.id,
-                        task: k,
-                        standby: sb,
-                        first: ev.first,
-                    }));
-                }
-            }
+            } => effects.extend(resume(st, ev, dec, hit, (*job_id, *step_id, *pid))),
             Action::FailTask {
                 job_id,
                 step_id,
@@ -320,6 +267,74 @@ fn apply(
     // Releases first: a standby's takeover is the latency a hit task feels.
     effects.sort_by_key(|e| !matches!(e, Effect::Release(_)));
     effects
+}
+
+/// The hit run of a batch job goes back to Slurm's queue (once per run, however many faults).
+fn requeue(st: &mut State, ev: &FaultEvent, job_id: u32) {
+    let restarts_before = run_of(st, job_id);
+    enqueue(
+        st,
+        ActionKey::Requeue {
+            fault: ev.id,
+            job: job_id,
+        },
+        ev.id,
+        SlurmOp::Requeue {
+            job_id,
+            restarts_before,
+        },
+    );
+}
+
+/// A hardware fault drains the node, once per GPU and class.
+fn drain(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, reason: &str) {
+    let known =
+        st.d.unhealthy
+            .insert(ev.gpu, (dec.class, reason.to_string()));
+    // Already drained for this GPU and class: no second call (a node an admin resumed
+    // meanwhile is drained again by the health check).
+    if known.is_some_and(|(c, _)| c == dec.class) {
+        return;
+    }
+    enqueue(
+        st,
+        ActionKey::Drain { fault: ev.id },
+        ev.id,
+        SlurmOp::Drain {
+            node: ctx.node.to_string(),
+            reason: reason.to_string(),
+        },
+    );
+}
+
+/// A hit task resumes: its armed standby is released to take over (at the first decision;
+/// never the culprit's: it would fault again, in the domain where the other standbys wait),
+/// else its supervisor restarts it in place.
+fn resume(
+    st: &mut State,
+    ev: &FaultEvent,
+    dec: &Decision,
+    hit: &HitTasks,
+    k: TaskKey,
+) -> Option<Effect> {
+    let standby = (dec.culprit_job() != Some(k.0))
+        .then(|| take_armed_standby(&mut st.d, k))
+        .flatten();
+    let line = match &standby {
+        Some(sb) => format!("standby pid {} released to take over", sb.pid()),
+        None => "resume in place handed over".to_string(),
+    };
+    hand_to_resume_board(&mut st.d, ev, k, hit.slot_of(k), None, line);
+    let sb = standby?;
+    if let Some(e) = st.d.resume.get_mut(k) {
+        e.takeover = Some(Takeover::Releasing(sb.pid()));
+    }
+    Some(Effect::Release(Release {
+        fault_id: ev.id,
+        task: k,
+        standby: sb,
+        first: ev.first,
+    }))
 }
 
 /// Slurm's restart count of the job's run the fault hit, when known: the one requeue that run
