@@ -68,84 +68,17 @@ impl Agent {
     /// daemon answers nothing. So the hit tasks' own CUDA processes (holding /dev/nvidia*) count too.
     fn end_hit_clients(self: &Arc<Self>, domain: DomainId, fault_id: u64, grace: Duration) {
         let mut clients = self.backend.clients(domain);
-        let (mut lines, mut terminate) = (Vec::new(), Vec::new());
-        let roots: Vec<u32> = {
-            let mut st = self.state();
-            let State {
-                d,
-                recent_exits,
-                recovering,
-                ..
-            } = &mut *st;
-            let Some(r) = recovering.get_mut(&domain) else {
-                return;
-            };
-            if r.scanned_at
-                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
-            {
-                Vec::new()
-            } else {
-                r.scanned_at = Some(Instant::now());
-                d.registry
-                    .tasks()
-                    .chain(recent_exits.iter().map(|(_, t)| t))
-                    .filter(|t| r.hit_jobs.contains(&t.job_id) && t.in_domain(domain))
-                    .map(|t| t.pid)
-                    .collect()
-            }
+        let Some(roots) = self.hit_roots(domain) else {
+            return;
         };
         for p in procfs::under(&roots) {
             if !clients.contains(&p) && procfs::uses_gpu(p) {
                 clients.push(p);
             }
         }
-        {
-            let mut st = self.state();
-            let Some(r) = st.recovering.get(&domain) else {
-                return;
-            };
-            let hit = r.hit_jobs.clone();
-            let (mut kill, mut blockers) = (Vec::new(), Vec::new());
-            for pid in clients {
-                let ancestry = procfs::ancestry(pid);
-                let of_hit_job = hit.iter().any(|j| {
-                    st.d.registry.task_in_ancestry(*j, &ancestry).is_some()
-                        || st
-                            .recent_exits
-                            .iter()
-                            .any(|(_, t)| t.job_id == *j && ancestry.contains(&t.pid))
-                });
-                if of_hit_job {
-                    kill.push(pid);
-                } else {
-                    blockers.push(pid);
-                }
-            }
-            let Some(r) = st.recovering.get_mut(&domain) else {
-                return;
-            };
-            for pid in kill {
-                if r.killed.insert(pid) {
-                    // SAFETY: kill(2) has no memory-safety preconditions; the pid is a live client
-                    // of this domain's server that runs under a registered task of a hit job.
-                    let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                    lines.push(format!(
-                        "client {pid} of a hit job still held {domain} in FAULT after {} ms (not calling CUDA?): {}",
-                        grace.as_millis(),
-                        if rc == 0 { "ended with SIGKILL".to_string() } else { format!("SIGKILL failed: {}", std::io::Error::last_os_error()) }
-                    ));
-                }
-            }
-            for pid in blockers {
-                if r.blockers_reported.insert(pid) {
-                    lines.push(format!(
-                        "{domain} stays in FAULT: client {pid} is no registered task of a hit job; not killed, terminate_client sent (an operator can also: mpsrctl terminate --gpu {} --slot {} --pid {pid})",
-                        domain.gpu, domain.slot
-                    ));
-                    terminate.push(pid);
-                }
-            }
-        }
+        let Some((lines, terminate)) = self.kill_hit_clients(domain, grace, clients) else {
+            return;
+        };
         // Off the health loop: terminate_client blocks until the client is gone (an idle one: up
         // to the command timeout, the control daemon answering nothing meanwhile).
         for pid in terminate {
@@ -169,6 +102,85 @@ impl Agent {
             let mut st = self.state();
             self.add_outcome(&mut st, fault_id, line);
         }
+    }
+
+    /// The pids of the hit jobs' tasks in `domain` (their descendants are the CUDA processes to
+    /// look for), at most once a second; None once the domain no longer recovers.
+    fn hit_roots(&self, domain: DomainId) -> Option<Vec<u32>> {
+        let mut st = self.state();
+        let State {
+            d,
+            recent_exits,
+            recovering,
+            ..
+        } = &mut *st;
+        let r = recovering.get_mut(&domain)?;
+        if r.scanned_at
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return Some(Vec::new());
+        }
+        r.scanned_at = Some(Instant::now());
+        Some(
+            d.registry
+                .tasks()
+                .chain(recent_exits.iter().map(|(_, t)| t))
+                .filter(|t| r.hit_jobs.contains(&t.job_id) && t.in_domain(domain))
+                .map(|t| t.pid)
+                .collect(),
+        )
+    }
+
+    /// SIGKILLs the clients that run under a task of a hit job (once each); the others are
+    /// returned to get terminate_client (once each). The outcome lines to add come back too.
+    fn kill_hit_clients(
+        &self,
+        domain: DomainId,
+        grace: Duration,
+        clients: Vec<u32>,
+    ) -> Option<(Vec<String>, Vec<u32>)> {
+        let (mut lines, mut terminate) = (Vec::new(), Vec::new());
+        let mut st = self.state();
+        let hit = st.recovering.get(&domain)?.hit_jobs.clone();
+        let (mut kill, mut blockers) = (Vec::new(), Vec::new());
+        for pid in clients {
+            let ancestry = procfs::ancestry(pid);
+            let of_hit_job = hit.iter().any(|j| {
+                st.d.registry.task_in_ancestry(*j, &ancestry).is_some()
+                    || st
+                        .recent_exits
+                        .iter()
+                        .any(|(_, t)| t.job_id == *j && ancestry.contains(&t.pid))
+            });
+            if of_hit_job {
+                kill.push(pid);
+            } else {
+                blockers.push(pid);
+            }
+        }
+        let r = st.recovering.get_mut(&domain)?;
+        for pid in kill {
+            if r.killed.insert(pid) {
+                // SAFETY: kill(2) has no memory-safety preconditions; the pid is a live client
+                // of this domain's server that runs under a registered task of a hit job.
+                let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                lines.push(format!(
+                    "client {pid} of a hit job still held {domain} in FAULT after {} ms (not calling CUDA?): {}",
+                    grace.as_millis(),
+                    if rc == 0 { "ended with SIGKILL".to_string() } else { format!("SIGKILL failed: {}", std::io::Error::last_os_error()) }
+                ));
+            }
+        }
+        for pid in blockers {
+            if r.blockers_reported.insert(pid) {
+                lines.push(format!(
+                    "{domain} stays in FAULT: client {pid} is no registered task of a hit job; not killed, terminate_client sent (an operator can also: mpsrctl terminate --gpu {} --slot {} --pid {pid})",
+                    domain.gpu, domain.slot
+                ));
+                terminate.push(pid);
+            }
+        }
+        Some((lines, terminate))
     }
 
     fn clear_healed(&self) {

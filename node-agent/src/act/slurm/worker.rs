@@ -1,7 +1,7 @@
 //! Executes pending Slurm actions (requeue, drain) outside the state lock, with retries and backoff;
 //! each result becomes an outcome line of its fault and job.
 
-use crate::act::slurm::queue::SlurmOp;
+use crate::act::slurm::queue::{ActionKey, PendingAction, SlurmOp};
 use crate::act::slurm::scontrol::Outcome;
 use crate::agent::Agent;
 use crate::store::state::{push_outcome, DONE_KEYS_KEPT};
@@ -9,35 +9,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// When a failed action may be tried again.
+type Backoff = BTreeMap<ActionKey, Instant>;
+
 impl Agent {
     /// Executes pending Slurm actions outside the state lock; retries with backoff.
     pub(crate) fn slurm_loop(self: Arc<Self>) {
-        let mut not_before: BTreeMap<crate::act::slurm::queue::ActionKey, Instant> =
-            BTreeMap::new();
+        let mut not_before = Backoff::new();
         loop {
-            let next = {
-                let mut st = self.state();
-                loop {
-                    let now = Instant::now();
-                    let now_ms = crate::sys::now_ms();
-                    let ready =
-                        st.d.pending
-                            .iter()
-                            .find(|p| {
-                                not_before.get(&p.key).is_none_or(|t| *t <= now)
-                                    && p.not_before_ms.is_none_or(|t| t <= now_ms)
-                            })
-                            .cloned();
-                    if let Some(p) = ready {
-                        break p;
-                    }
-                    st = self
-                        .slurm_wake
-                        .wait_timeout(st, Duration::from_millis(100))
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            };
+            let next = self.next_ready(&not_before);
             // Write-ahead: the decision that queued it is on disk before Slurm is touched, so an
             // agent killed in between finds the action after its restart (and verifies it, since
             // it may have run). A disk that refuses writes delays the action by at most a second.
@@ -50,69 +30,92 @@ impl Agent {
             let outcome = self
                 .slurm
                 .execute(&next.op, !next.fresh || next.attempts > 0);
-            let mut st = self.state();
-            let job = match &next.op {
-                SlurmOp::Requeue { job_id, .. } | SlurmOp::Annotate { job_id, .. } => Some(*job_id),
-                SlurmOp::Drain { .. } => None,
-            };
-            let requeue = matches!(next.op, SlurmOp::Requeue { .. });
-            let attempts = next.attempts + 1;
-            let finished = match &outcome {
-                Outcome::Done(m) | Outcome::Permanent(m) => Some(m.clone()),
-                Outcome::Retry(e) if attempts >= self.slurm.max_attempts() => {
-                    Some(format!("gave up after {attempts} attempts: {e}"))
-                }
-                Outcome::Retry(e) => {
-                    tracing::warn!(key = %next.key, attempt = attempts, error = %e, "Slurm action failed; will retry");
-                    if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == next.key) {
-                        p.attempts = attempts;
-                        p.last_error = Some(e.clone());
-                    }
-                    not_before.insert(
-                        next.key.clone(),
-                        Instant::now() + self.slurm.backoff(attempts),
-                    );
-                    None
-                }
-            };
-            if let Some(msg) = finished {
-                let ok = matches!(outcome, Outcome::Done(_));
-                if let (true, true, Some(j)) = (ok, requeue, job) {
-                    let before = match next.op {
-                        SlurmOp::Requeue {
-                            restarts_before, ..
-                        } => restarts_before,
-                        _ => None,
-                    };
-                    st.d.note_requeued(j, next.fault_id, before);
-                }
-                if ok {
-                    st.d.done_keys.extend(next.op.run_key());
-                }
-                if ok {
-                    tracing::info!(key = %next.key, "{msg}");
-                } else {
-                    tracing::error!(key = %next.key, "Slurm action failed for good: {msg}");
-                }
-                st.d.pending.retain(|p| p.key != next.key);
-                not_before.remove(&next.key);
-                st.d.done_keys.push_back(next.key.clone());
-                while st.d.done_keys.len() > DONE_KEYS_KEPT {
-                    st.d.done_keys.pop_front();
-                }
-                let line = if ok { msg } else { format!("FAILED: {msg}") };
-                if let Some(j) = job {
-                    push_outcome(
-                        &mut st.d.outcomes,
-                        j,
-                        format!("fault {}: {line}", next.fault_id),
-                    );
-                }
-                self.add_outcome(&mut st, next.fault_id, line);
-            }
-            drop(st);
+            self.settle(&next, outcome, &mut not_before);
             let g = self.mark_dirty();
             self.wait_durable(g);
         }
+    }
+
+    /// Waits for the first pending action that may run now (its backoff and its own delay over).
+    fn next_ready(&self, not_before: &Backoff) -> PendingAction {
+        let mut st = self.state();
+        loop {
+            let now = Instant::now();
+            let now_ms = crate::sys::now_ms();
+            let ready =
+                st.d.pending
+                    .iter()
+                    .find(|p| {
+                        not_before.get(&p.key).is_none_or(|t| *t <= now)
+                            && p.not_before_ms.is_none_or(|t| t <= now_ms)
+                    })
+                    .cloned();
+            if let Some(p) = ready {
+                return p;
+            }
+            st = self
+                .slurm_wake
+                .wait_timeout(st, Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// What an attempt came to: retried later (backoff), or done or failed for good (the action
+    /// leaves the queue, its key is done, its job and fault get the outcome line).
+    fn settle(&self, next: &PendingAction, outcome: Outcome, not_before: &mut Backoff) {
+        let mut st = self.state();
+        let attempts = next.attempts + 1;
+        let msg = match &outcome {
+            Outcome::Done(m) | Outcome::Permanent(m) => m.clone(),
+            Outcome::Retry(e) if attempts >= self.slurm.max_attempts() => {
+                format!("gave up after {attempts} attempts: {e}")
+            }
+            Outcome::Retry(e) => {
+                tracing::warn!(key = %next.key, attempt = attempts, error = %e, "Slurm action failed; will retry");
+                if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == next.key) {
+                    p.attempts = attempts;
+                    p.last_error = Some(e.clone());
+                }
+                not_before.insert(
+                    next.key.clone(),
+                    Instant::now() + self.slurm.backoff(attempts),
+                );
+                return;
+            }
+        };
+        let ok = matches!(outcome, Outcome::Done(_));
+        let job = match &next.op {
+            SlurmOp::Requeue { job_id, .. } | SlurmOp::Annotate { job_id, .. } => Some(*job_id),
+            SlurmOp::Drain { .. } => None,
+        };
+        if ok {
+            if let SlurmOp::Requeue {
+                job_id,
+                restarts_before,
+            } = next.op
+            {
+                st.d.note_requeued(job_id, next.fault_id, restarts_before);
+            }
+            st.d.done_keys.extend(next.op.run_key());
+            tracing::info!(key = %next.key, "{msg}");
+        } else {
+            tracing::error!(key = %next.key, "Slurm action failed for good: {msg}");
+        }
+        st.d.pending.retain(|p| p.key != next.key);
+        not_before.remove(&next.key);
+        st.d.done_keys.push_back(next.key.clone());
+        while st.d.done_keys.len() > DONE_KEYS_KEPT {
+            st.d.done_keys.pop_front();
+        }
+        let line = if ok { msg } else { format!("FAILED: {msg}") };
+        if let Some(j) = job {
+            push_outcome(
+                &mut st.d.outcomes,
+                j,
+                format!("fault {}: {line}", next.fault_id),
+            );
+        }
+        self.add_outcome(&mut st, next.fault_id, line);
     }
 }
