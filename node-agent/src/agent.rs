@@ -75,48 +75,13 @@ impl Agent {
                 source,
             })?;
         }
-        let mut d: Durable = persist::read(&cfg.state_dir.join("state.json"))?.unwrap_or_default();
+        let Recovered {
+            d,
+            history,
+            telemetry,
+            last_seq,
+        } = recover_state(&cfg)?;
         let journal_path = cfg.state_dir.join("registry.journal");
-        let (replayed, last_seq) =
-            crate::store::journal::Journal::replay(&journal_path, d.journal_seq, &mut d.registry);
-        if replayed > 0 {
-            tracing::info!(entries = replayed, "registry journal replayed");
-        }
-        let history: VecDeque<DecisionRecord> =
-            persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
-        let telemetry: crate::store::state::TelemetryLog =
-            persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
-        let gone = d.registry.reconcile(procfs::alive);
-        d.tasks_left(&gone, crate::sys::now_ms());
-        // Standbys of tasks that are gone, or whose standby process is.
-        let live: std::collections::BTreeSet<_> = d
-            .registry
-            .tasks()
-            .map(|t| (t.job_id, t.step_id, t.pid))
-            .collect();
-        let stale = d.drop_standbys(|s| {
-            !live.contains(&s.task)
-                || s.armed
-                    .is_some_and(|a| !procfs::alive(a.standby.0, a.standby.1))
-        });
-        crate::api::standby::remove_fifos(&stale);
-        for t in &gone {
-            tracing::info!(
-                job = t.job_id,
-                step = t.step_id,
-                pid = t.pid,
-                "task exited while the agent was down; deregistered"
-            );
-            d.resume.remove((t.job_id, t.step_id, t.pid));
-        }
-        if !d.registry.is_empty() || !d.pending.is_empty() {
-            tracing::info!(
-                tasks = d.registry.len(),
-                pending_actions = d.pending.len(),
-                domains = d.domains.records().count(),
-                "state recovered after restart"
-            );
-        }
         let window = Duration::from_millis(cfg.faults.correlation_window_ms);
         let slurm = Scontrol::new(cfg.slurm.clone());
         let keepers = Arc::new(crate::act::keepers::Keepers::new(
@@ -273,4 +238,66 @@ impl Agent {
         let domains = self.all_domains(&self.state());
         self.backend.shutdown(&domains);
     }
+}
+
+/// What the agent finds on disk at start: the state file with the registry journal replayed on
+/// top, the decision history and telemetry log.
+struct Recovered {
+    d: Durable,
+    history: VecDeque<DecisionRecord>,
+    telemetry: crate::store::state::TelemetryLog,
+    last_seq: u64,
+}
+
+/// Reads the state back and reconciles it with the processes alive now: tasks that exited while
+/// the agent was down leave the registry (and their standbys and resume entries go).
+fn recover_state(cfg: &Config) -> Result<Recovered, StartError> {
+    let mut d: Durable = persist::read(&cfg.state_dir.join("state.json"))?.unwrap_or_default();
+    let journal_path = cfg.state_dir.join("registry.journal");
+    let (replayed, last_seq) =
+        crate::store::journal::Journal::replay(&journal_path, d.journal_seq, &mut d.registry);
+    if replayed > 0 {
+        tracing::info!(entries = replayed, "registry journal replayed");
+    }
+    let history: VecDeque<DecisionRecord> =
+        persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
+    let telemetry: crate::store::state::TelemetryLog =
+        persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
+    let gone = d.registry.reconcile(procfs::alive);
+    d.tasks_left(&gone, crate::sys::now_ms());
+    // Standbys of tasks that are gone, or whose standby process is.
+    let live: std::collections::BTreeSet<_> = d
+        .registry
+        .tasks()
+        .map(|t| (t.job_id, t.step_id, t.pid))
+        .collect();
+    let stale = d.drop_standbys(|s| {
+        !live.contains(&s.task)
+            || s.armed
+                .is_some_and(|a| !procfs::alive(a.standby.0, a.standby.1))
+    });
+    crate::api::standby::remove_fifos(&stale);
+    for t in &gone {
+        tracing::info!(
+            job = t.job_id,
+            step = t.step_id,
+            pid = t.pid,
+            "task exited while the agent was down; deregistered"
+        );
+        d.resume.remove((t.job_id, t.step_id, t.pid));
+    }
+    if !d.registry.is_empty() || !d.pending.is_empty() {
+        tracing::info!(
+            tasks = d.registry.len(),
+            pending_actions = d.pending.len(),
+            domains = d.domains.records().count(),
+            "state recovered after restart"
+        );
+    }
+    Ok(Recovered {
+        d,
+        history,
+        telemetry,
+        last_seq,
+    })
 }
