@@ -6,7 +6,7 @@ use crate::fault::classify::{BlastRadius, ClassPolicy, Classifier, FaultClass, J
 use crate::fault::correlate::FaultEvent;
 use crate::store::registry::Registry;
 use mpsr_proto::{CulpritEvidence, DomainId, Mode};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -100,13 +100,7 @@ pub fn decide(
     node: &str,
     owner_of: impl Fn(u32) -> Option<u32>,
 ) -> Decision {
-    // A server that showed the fault before any Xid came: its own application fault, decided
-    // now (the Xid decides it again with its class).
-    let class = if ev.xids.is_empty() && !ev.domains.is_empty() {
-        FaultClass::AppServer
-    } else {
-        classifier.class_of_all(&ev.xids)
-    };
+    let class = class_of(ev, classifier);
     let policy = classifier.policy(class);
     let by_domain = jobs_by_domain(reg.tasks(), ev.gpu);
     let domain_of_job = |job: u32| {
@@ -123,23 +117,8 @@ pub fn decide(
         .filter(|j| domain_of_job(*j).is_some())
         .filter(|_| policy.radius != BlastRadius::None);
     let isolated = named.filter(|_| policy.isolatable && ev.contained());
-    let mut awaiting_domain = false;
     let mut culprit = named.map(|j| (j, CulpritEvidence::Isolation));
-    let hit_domains: BTreeSet<DomainId> = match (policy.radius, isolated) {
-        (BlastRadius::None, _) => BTreeSet::new(),
-        (_, Some(job)) => domain_of_job(job).into_iter().collect(),
-        (BlastRadius::Gpu, None) => by_domain.keys().copied().collect(),
-        (BlastRadius::Domain, None) => {
-            let shown: BTreeSet<DomainId> = ev
-                .domains
-                .iter()
-                .map(|&slot| DomainId { gpu: ev.gpu, slot })
-                .chain(named.and_then(domain_of_job))
-                .collect();
-            awaiting_domain = shown.is_empty() && !by_domain.is_empty();
-            shown
-        }
-    };
+    let (hit_domains, awaiting_domain) = hit_domains(ev, policy, &by_domain, named, isolated);
     let hit: BTreeSet<u32> = match isolated {
         Some(job) => [job].into(),
         None => hit_domains
@@ -188,6 +167,49 @@ pub fn decide(
         culprit,
         contained: isolated.is_some(),
         actions,
+    }
+}
+
+/// The fault's class by its Xids. A server that showed the fault before any Xid came: its own
+/// application fault, decided now (the Xid decides it again with its class).
+fn class_of(ev: &FaultEvent, classifier: &Classifier) -> FaultClass {
+    if ev.xids.is_empty() && !ev.domains.is_empty() {
+        FaultClass::AppServer
+    } else {
+        classifier.class_of_all(&ev.xids)
+    }
+}
+
+/// The domains the fault hit: none (a class with no radius), the isolated culprit's, every one
+/// of the GPU, or those that showed it (their server's log, the named culprit's). Also whether a
+/// domain fault showed in no domain yet (the servers are then asked).
+fn hit_domains(
+    ev: &FaultEvent,
+    policy: ClassPolicy,
+    by_domain: &BTreeMap<DomainId, BTreeSet<u32>>,
+    named: Option<u32>,
+    isolated: Option<u32>,
+) -> (BTreeSet<DomainId>, bool) {
+    let domain_of_job = |job: u32| {
+        by_domain
+            .iter()
+            .find(|(_, jobs)| jobs.contains(&job))
+            .map(|(d, _)| *d)
+    };
+    match (policy.radius, isolated) {
+        (BlastRadius::None, _) => (BTreeSet::new(), false),
+        (_, Some(job)) => (domain_of_job(job).into_iter().collect(), false),
+        (BlastRadius::Gpu, None) => (by_domain.keys().copied().collect(), false),
+        (BlastRadius::Domain, None) => {
+            let shown: BTreeSet<DomainId> = ev
+                .domains
+                .iter()
+                .map(|&slot| DomainId { gpu: ev.gpu, slot })
+                .chain(named.and_then(domain_of_job))
+                .collect();
+            let awaiting = shown.is_empty() && !by_domain.is_empty();
+            (shown, awaiting)
+        }
     }
 }
 
