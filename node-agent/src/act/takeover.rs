@@ -72,23 +72,7 @@ impl Agent {
         }
         if released {
             st.totals.entry(r.standby.domain.gpu).or_default().takeovers += 1;
-            // The task runs in the standby's domain now: its next fault is that domain's. This
-            // fault's re-decisions still see it where the fault found it.
-            let d = r.standby.domain;
-            if let Some(t) = st.d.registry.get_mut(r.task) {
-                let from = t
-                    .domain_on(d.gpu)
-                    .unwrap_or(mpsr_proto::DomainId::shared(d.gpu));
-                t.domains.retain(|x| x.gpu != d.gpu);
-                if !d.is_shared() {
-                    t.domains.push(d);
-                }
-                st.moved.push(crate::store::state::Moved {
-                    fault_id: r.fault_id,
-                    task: r.task,
-                    from,
-                });
-            }
+            move_to_standby_domain(&mut st, &r);
         }
         crate::store::state::push_outcome(
             &mut st.d.outcomes,
@@ -99,6 +83,27 @@ impl Agent {
         drop(st);
         self.mark_dirty();
     }
+}
+
+/// The task runs in its standby's domain now: its next fault is that domain's. This fault's
+/// re-decisions still see it where the fault found it.
+fn move_to_standby_domain(st: &mut crate::store::state::State, r: &Release) {
+    let d = r.standby.domain;
+    let Some(t) = st.d.registry.get_mut(r.task) else {
+        return;
+    };
+    let from = t
+        .domain_on(d.gpu)
+        .unwrap_or(mpsr_proto::DomainId::shared(d.gpu));
+    t.domains.retain(|x| x.gpu != d.gpu);
+    if !d.is_shared() {
+        t.domains.push(d);
+    }
+    st.moved.push(crate::store::state::Moved {
+        fault_id: r.fault_id,
+        task: r.task,
+        from,
+    });
 }
 
 impl Agent {
