@@ -187,31 +187,43 @@ fn main() -> std::process::ExitCode {
         } => return job_skew(&a, *job_id, nodes, *port, token_file.as_deref(), timeout),
         _ => {}
     }
-    let req = match &a.cmd {
-        Cmd::Top { .. } | Cmd::JobSkew { .. } => unreachable!("handled above"),
-        Cmd::Sim {
-            cmd:
-                SimCmd::Pathology {
-                    gpu,
-                    what,
-                    pid,
-                    secs,
-                },
-        } => {
-            let what = match serde_json::from_value(serde_json::Value::String(what.clone())) {
-                Ok(w) => w,
-                Err(e) => {
-                    eprintln!("mpsrctl: unknown pathology '{what}': {e}");
-                    return 2.into();
-                }
-            };
-            Request::SimPathology {
-                gpu: *gpu,
-                what,
-                pid: *pid,
-                secs: *secs,
+    let req = match request_of(&a.cmd) {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    let resp = match Client::new(&a.socket, Duration::from_millis(a.timeout_ms)).call(&req) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("mpsrctl: {e}");
+            return 3.into();
+        }
+    };
+    match (&a.cmd, &resp) {
+        _ if a.json => println!(
+            "{}",
+            serde_json::to_string_pretty(&resp).unwrap_or_default()
+        ),
+        (Cmd::Health { reason: true }, Response::Health(h)) => {
+            if let Some(r) = h.reasons.first().filter(|_| !h.healthy) {
+                println!("{r}");
             }
         }
+        _ => print_human(&resp),
+    }
+    match resp {
+        Response::Error { .. } => 1.into(),
+        Response::Health(h) if !h.healthy => UNHEALTHY_EXIT.into(),
+        Response::JobReport(r) if matches!(a.cmd, Cmd::JobEnd { .. }) && !r.faults.is_empty() => {
+            HIT_EXIT.into()
+        }
+        _ => 0.into(),
+    }
+}
+
+/// The one request a command sends (`top` and `job-skew` are not one request).
+fn request_of(cmd: &Cmd) -> Result<Request, std::process::ExitCode> {
+    Ok(match cmd {
+        Cmd::Top { .. } | Cmd::JobSkew { .. } => unreachable!("handled before: not one request"),
         Cmd::Status => Request::Status,
         Cmd::Events { limit } => Request::Events { limit: *limit },
         Cmd::Report { job_id } => Request::JobReport { job_id: *job_id },
@@ -265,124 +277,53 @@ fn main() -> std::process::ExitCode {
             pid: *pid,
             slot: *slot,
         },
-        Cmd::Sim {
-            cmd:
-                SimCmd::Inject {
-                    gpu,
-                    xid,
-                    culprit,
-                    slot,
-                },
+        Cmd::Sim { cmd } => return sim_request(cmd),
+    })
+}
+
+/// The simulator's commands (sim backend only).
+fn sim_request(cmd: &SimCmd) -> Result<Request, std::process::ExitCode> {
+    Ok(match cmd {
+        SimCmd::Pathology {
+            gpu,
+            what,
+            pid,
+            secs,
+        } => {
+            let what = match serde_json::from_value(serde_json::Value::String(what.clone())) {
+                Ok(w) => w,
+                Err(e) => {
+                    eprintln!("mpsrctl: unknown pathology '{what}': {e}");
+                    return Err(2.into());
+                }
+            };
+            Request::SimPathology {
+                gpu: *gpu,
+                what,
+                pid: *pid,
+                secs: *secs,
+            }
+        }
+        SimCmd::Inject {
+            gpu,
+            xid,
+            culprit,
+            slot,
         } => Request::SimInject {
             gpu: *gpu,
             xid: *xid,
             culprit: *culprit,
             slot: *slot,
         },
-        Cmd::Sim {
-            cmd: SimCmd::Recover { gpu },
-        } => Request::SimRecover { gpu: *gpu },
-    };
-    let resp = match Client::new(&a.socket, Duration::from_millis(a.timeout_ms)).call(&req) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("mpsrctl: {e}");
-            return 3.into();
-        }
-    };
-    match (&a.cmd, &resp) {
-        _ if a.json => println!(
-            "{}",
-            serde_json::to_string_pretty(&resp).unwrap_or_default()
-        ),
-        (Cmd::Health { reason: true }, Response::Health(h)) => {
-            if let Some(r) = h.reasons.first().filter(|_| !h.healthy) {
-                println!("{r}");
-            }
-        }
-        _ => print_human(&resp),
-    }
-    match resp {
-        Response::Error { .. } => 1.into(),
-        Response::Health(h) if !h.healthy => UNHEALTHY_EXIT.into(),
-        Response::JobReport(r) if matches!(a.cmd, Cmd::JobEnd { .. }) && !r.faults.is_empty() => {
-            HIT_EXIT.into()
-        }
-        _ => 0.into(),
-    }
+        SimCmd::Recover { gpu } => Request::SimRecover { gpu: *gpu },
+    })
 }
 
 fn print_human(r: &Response) {
     match r {
         Response::Ok => println!("ok"),
         Response::Error { code, message } => eprintln!("mpsrctl: {code:?}: {message}"),
-        Response::Status(s) => {
-            let sim = if s.simulated { " (SIMULATED GPUs)" } else { "" };
-            println!("node {} backend {}{sim}", s.node, s.backend);
-            let agent = if s.agent_version.is_empty() {
-                "older than 0.2.0".to_string()
-            } else {
-                format!("{} protocol {}", s.agent_version, s.protocol)
-            };
-            println!(
-                "  agent {agent}; mpsrctl {} protocol {}",
-                env!("CARGO_PKG_VERSION"),
-                mpsr_proto::PROTOCOL_VERSION
-            );
-            for g in &s.gpus {
-                println!(
-                    "  gpu{} {} pci {} server {:?} clients {:?}{}",
-                    g.gpu,
-                    g.uuid,
-                    g.pci_bus_id,
-                    g.state,
-                    g.clients,
-                    g.unhealthy
-                        .as_ref()
-                        .map(|u| format!(" UNHEALTHY: {u}"))
-                        .unwrap_or_default()
-                );
-                for d in &g.domains {
-                    println!(
-                        "    domain {} ({}) server {:?} jobs {:?} clients {:?} memory {}",
-                        d.domain,
-                        d.tenancy,
-                        d.state,
-                        d.jobs,
-                        d.clients,
-                        d.memory_bytes
-                            .map(|b| format!("{} MiB", b >> 20))
-                            .unwrap_or_else(|| "-".into())
-                    );
-                }
-            }
-            for t in &s.tasks {
-                let domains: Vec<String> = t.domains.iter().map(|d| d.to_string()).collect();
-                let standby = t
-                    .standby
-                    .map(|(pid, d)| format!(" standby pid {pid} in {d}"))
-                    .unwrap_or_default();
-                println!(
-                    "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]{standby}",
-                    t.job_id,
-                    mpsr_agent::fault::decide::step_name(t.step_id),
-                    t.pid,
-                    t.uid,
-                    t.gpus,
-                    t.mode,
-                    if t.batch { " batch" } else { "" },
-                    domains.join(" ")
-                );
-            }
-            println!("  pending Slurm actions: {}", s.pending_actions);
-            if let Some(f) = &s.persist_failing {
-                println!(
-                    "  STATE DIR REFUSES WRITES since {} ms ago: {} (acting from memory; written once it can be)",
-                    mpsr_agent::sys::now_ms().saturating_sub(f.since_ms),
-                    f.error
-                );
-            }
-        }
+        Response::Status(s) => print_status(s),
         Response::Events {
             events,
             pathologies,
@@ -426,6 +367,75 @@ fn print_human(r: &Response) {
             println!("injected (simulated); clients killed: {killed:?}")
         }
         other => println!("{}", serde_json::to_string(other).unwrap_or_default()),
+    }
+}
+
+/// `mpsrctl status`: the node, each GPU and its fault domains, each task.
+fn print_status(s: &mpsr_proto::StatusReply) {
+    let sim = if s.simulated { " (SIMULATED GPUs)" } else { "" };
+    println!("node {} backend {}{sim}", s.node, s.backend);
+    let agent = if s.agent_version.is_empty() {
+        "older than 0.2.0".to_string()
+    } else {
+        format!("{} protocol {}", s.agent_version, s.protocol)
+    };
+    println!(
+        "  agent {agent}; mpsrctl {} protocol {}",
+        env!("CARGO_PKG_VERSION"),
+        mpsr_proto::PROTOCOL_VERSION
+    );
+    for g in &s.gpus {
+        println!(
+            "  gpu{} {} pci {} server {:?} clients {:?}{}",
+            g.gpu,
+            g.uuid,
+            g.pci_bus_id,
+            g.state,
+            g.clients,
+            g.unhealthy
+                .as_ref()
+                .map(|u| format!(" UNHEALTHY: {u}"))
+                .unwrap_or_default()
+        );
+        for d in &g.domains {
+            println!(
+                "    domain {} ({}) server {:?} jobs {:?} clients {:?} memory {}",
+                d.domain,
+                d.tenancy,
+                d.state,
+                d.jobs,
+                d.clients,
+                d.memory_bytes
+                    .map(|b| format!("{} MiB", b >> 20))
+                    .unwrap_or_else(|| "-".into())
+            );
+        }
+    }
+    for t in &s.tasks {
+        let domains: Vec<String> = t.domains.iter().map(|d| d.to_string()).collect();
+        let standby = t
+            .standby
+            .map(|(pid, d)| format!(" standby pid {pid} in {d}"))
+            .unwrap_or_default();
+        println!(
+            "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]{standby}",
+            t.job_id,
+            mpsr_agent::fault::decide::step_name(t.step_id),
+            t.pid,
+            t.uid,
+            t.gpus,
+            t.mode,
+            if t.batch { " batch" } else { "" },
+            domains.join(" ")
+        );
+    }
+    println!("  pending Slurm actions: {}", s.pending_actions);
+    if let Some(f) = &s.persist_failing {
+        println!(
+            "  STATE DIR REFUSES WRITES since {} ms ago: {} (acting from memory; written once it can be)",
+            mpsr_agent::sys::now_ms().saturating_sub(f.since_ms),
+            f.error
+        );
     }
 }
 
