@@ -1,16 +1,15 @@
-//! The agent: its parts (config, GPU backend, classifier, state, persister, Slurm executor) and
-//! its threads. What each thread does lives in its own module: `faults` (signal -> decision ->
-//! actions), `slurm_exec` (requeue/drain), `recovery` (servers back to ACTIVE, resume verdicts),
-//! `domain` (fault domains' daemons), `persister` (state on disk). Requests are in `handlers`.
+//! The agent's hub: its parts (config, GPU backend, classifier, state, persister, Slurm executor,
+//! keepers) and the state read back at start. It imports no worker: the workers (`fault::worker`,
+//! `act::*`, `domain::lifecycle`, `telemetry`, `api`) work on it, and `wiring` starts them.
 
 use crate::act::slurm::scontrol::Scontrol;
 use crate::config::Config;
 use crate::domain::{DomainProbe, Policy};
-use crate::fault::classify::{Classifier, FaultClass};
+use crate::fault::classify::Classifier;
 use crate::fault::correlate::{Correlator, Signal};
 use crate::gpu::GpuBackend;
 use crate::store::persist;
-use crate::store::persister::Persister;
+use crate::store::persister::{Durability, Persister};
 use crate::store::state::{Durable, State};
 use crate::sys::{lock, procfs};
 use mpsr_proto::DecisionRecord;
@@ -40,7 +39,8 @@ pub struct Agent {
     pub(crate) log_tails: crate::domain::LogTails,
     pub started: Instant,
     pub keepers: Arc<crate::act::keepers::Keepers>,
-    pub telemetry: crate::telemetry::Telemetry,
+    /// The latest telemetry round, published for `/metrics` and `mpsrctl top`.
+    pub exporter: mpsr_telemetry::metrics::Exporter,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -120,7 +120,7 @@ impl Agent {
             log_tails: crate::domain::LogTails::default(),
             started: Instant::now(),
             keepers,
-            telemetry: crate::telemetry::Telemetry::default(),
+            exporter: Default::default(),
             cfg,
         });
         // Write once now so a recovered-and-reconciled state is durable before we serve.
@@ -132,105 +132,57 @@ impl Agent {
         lock(&self.state)
     }
 
+    /// Marks the durable state changed; returns the generation to wait for.
+    pub fn mark_dirty(&self) -> u64 {
+        self.persister.mark_dirty()
+    }
+
+    /// Marks registry changes recorded with `State::journal` (only a journal append is needed).
+    pub fn mark_journaled(&self) -> u64 {
+        self.persister.mark_journaled()
+    }
+
+    /// Marks the telemetry log changed (written without the state file).
+    pub fn telemetry_changed(&self) {
+        self.persister.telemetry_changed();
+    }
+
+    /// The generation of the latest change: waiting for it covers everything changed so far.
+    pub fn latest_gen(&self) -> u64 {
+        self.persister.latest_gen()
+    }
+
+    /// Blocks until generation `gen` is on disk (bounded: a stuck disk must not hang callers forever).
+    pub fn wait_durable(&self, gen: u64) -> bool {
+        self.wait_durable_within(gen, Duration::from_secs(5)) == Durability::Durable
+    }
+
+    /// Waits up to `bound` for generation `gen` to be on disk (see `Persister`).
+    pub fn wait_durable_within(&self, gen: u64, bound: Duration) -> Durability {
+        self.persister.wait_durable_within(gen, bound)
+    }
+
+    /// The persister's writer thread (group commit of the state), until the process ends.
+    pub(crate) fn persist_loop(&self) {
+        self.persister.run(&self.state, &self.cfg.state_dir);
+    }
+
+    /// Where the workers send fault signals (the fault worker reads them).
+    pub(crate) fn set_signal_sender(&self, tx: Sender<Signal>) {
+        *lock(&self.signals) = Some(tx);
+    }
+
+    /// Writes what changed now, on the caller's thread (at start and at shutdown).
+    pub(crate) fn persist_now(&self) {
+        self.persister.persist(&self.state, &self.cfg.state_dir);
+    }
+
     pub fn is_trusted(&self, uid: u32) -> bool {
         uid == 0 || self.trusted.contains(&uid)
     }
 
     pub fn signal_sender(&self) -> Option<Sender<Signal>> {
         lock(&self.signals).clone()
-    }
-
-    /// Starts the backend, every fault domain and every loop. Returns once the agent is ready.
-    pub fn start(self: &Arc<Self>) -> Result<(), StartError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        *lock(&self.signals) = Some(tx.clone());
-        let (ptx, prx) = std::sync::mpsc::channel();
-        *lock(&self.probes) = Some(ptx);
-        self.backend.start(tx)?;
-        self.start_domains()?;
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(f)
-                .map(|_| ())
-                .map_err(|source| StartError::Thread {
-                    name: name.into(),
-                    source,
-                })
-        };
-        let a = self.clone();
-        spawn("persist", Box::new(move || a.persist_loop()))?;
-        let a = self.clone();
-        spawn("faults", Box::new(move || a.fault_loop(rx)))?;
-        let a = self.clone();
-        spawn("probe", Box::new(move || a.probe_loop(prx)))?;
-        let a = self.clone();
-        spawn("slurm", Box::new(move || a.slurm_loop()))?;
-        let a = self.clone();
-        spawn("health", Box::new(move || a.health_loop()))?;
-        let a = self.clone();
-        spawn("domains", Box::new(move || a.domain_loop()))?;
-        let a = self.clone();
-        spawn("keepers", Box::new(move || a.keeper_loop()))?;
-        if self.cfg.telemetry.enabled {
-            // Validated at config load; an error here would be a bug, so it falls back to the table.
-            let rules = self
-                .cfg
-                .telemetry
-                .rules()
-                .unwrap_or_else(|_| mpsr_telemetry::RULES.to_vec());
-            let mut det = mpsr_telemetry::Detector::new(rules);
-            det.restore(self.state().telemetry.active.clone());
-            let source = self.backend.telemetry_source();
-            let a = self.clone();
-            spawn("telemetry", Box::new(move || a.telemetry_loop(source, det)))?;
-        }
-        if !self.cfg.telemetry.listen.is_empty() {
-            // Validated at load (networks, token file); an error here means the token file
-            // changed since: serve nobody rather than everybody.
-            let access = self.cfg.telemetry.http_access().unwrap_or_else(|e| {
-                tracing::error!(key = e.key, error = %e.message, "telemetry HTTP serves nobody");
-                crate::api::http_access::Access::default()
-            });
-            match tiny_http::Server::http(self.cfg.telemetry.listen.as_str()) {
-                Ok(server) => {
-                    let a = self.clone();
-                    spawn(
-                        "http",
-                        Box::new(move || crate::api::http::serve(a, server, access)),
-                    )?;
-                }
-                // Metrics are not worth failing the fault handling for: say so and go on.
-                Err(e) => tracing::error!(
-                    listen = %self.cfg.telemetry.listen,
-                    error = %e,
-                    "telemetry HTTP not started"
-                ),
-            }
-        }
-        Ok(())
-    }
-
-    /// Starts missing keepers (first start, or one that died); cheap pings otherwise.
-    fn keeper_loop(self: Arc<Self>) {
-        loop {
-            let lost: BTreeSet<u32> = self
-                .state()
-                .d
-                .unhealthy
-                .iter()
-                .filter(|(_, (c, _))| *c == FaultClass::DeviceLost)
-                .map(|(g, _)| *g)
-                .collect();
-            for g in self.backend.gpus() {
-                if !lost.contains(&g.index) {
-                    if let Err(e) = self.keepers.ensure(g.index) {
-                        tracing::warn!(gpu = g.index, error = %e, "state keeper not available");
-                    }
-                }
-            }
-            std::thread::sleep(Duration::from_secs(5));
-        }
     }
 
     pub fn shutdown(&self) {
@@ -276,7 +228,7 @@ fn recover_state(cfg: &Config) -> Result<Recovered, StartError> {
             || s.armed
                 .is_some_and(|a| !procfs::alive(a.standby.0, a.standby.1))
     });
-    crate::api::standby::remove_fifos(&stale);
+    crate::store::state::remove_fifos(&stale);
     for t in &gone {
         tracing::info!(
             job = t.job_id,

@@ -10,7 +10,8 @@
 //!
 //! Beside the path: `domain` (fault domains: placement and their MPS daemons), `gpu` (the GPU
 //! backends, real and simulated), `telemetry` (the telemetry thread), `config`, `sys` (leaf OS
-//! helpers), and `agent` (wiring: builds the parts and starts the workers).
+//! helpers), `agent` (the hub the workers share: its parts, the state read back at start) and
+//! `wiring` (starts the workers).
 
 pub mod act;
 pub mod agent;
@@ -23,3 +24,4 @@ pub mod intake;
 pub mod store;
 pub mod sys;
 pub mod telemetry;
+pub mod wiring;

@@ -7,19 +7,12 @@ use crate::agent::Agent;
 use crate::sys::lock;
 use crate::sys::procfs;
 use mpsr_proto::PathologyRecord;
-use mpsr_telemetry::metrics::Exporter;
 use mpsr_telemetry::source::{Attached, Source};
 use mpsr_telemetry::{
     ClientSample, Detector, Finding, FindingState, Owner, Severity, Snapshot, Tick,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-
-/// What the telemetry thread publishes.
-#[derive(Debug, Default)]
-pub struct Telemetry {
-    pub exporter: Exporter,
-}
 
 /// CPU time of the calling thread.
 fn thread_cpu_seconds() -> f64 {
@@ -68,7 +61,7 @@ impl Agent {
             round += 1;
             let active = det.active();
             self.record(&changes, &active);
-            *lock(&self.telemetry.exporter.0) = Snapshot {
+            *lock(&self.exporter.0) = Snapshot {
                 node: self.node.clone(),
                 simulated: self.backend.simulated(),
                 tick,

@@ -1,6 +1,6 @@
 //! Telemetry for mps-resilient: what is sampled (`sample`), the pathology rules as a table
 //! (`rules`), the detector that turns samples into findings with windows and hysteresis
-//! (`detect`), Prometheus exposition (`metrics`), and the sources: NVML (`nvml`), node NIC
+//! (`detect`), what a round publishes (`snapshot`), Prometheus exposition (`metrics`), and the sources: NVML (`nvml`), node NIC
 //! counters (`nic`) and a replay of synthetic series with injected pathologies (`replay`, used
 //! by the simulator and the tests). Nothing here touches the fault path.
 
@@ -14,8 +14,10 @@ pub mod replay;
 pub mod rules;
 pub mod sample;
 pub mod skew;
+pub mod snapshot;
 pub mod source;
 
 pub use detect::{Detector, Finding, FindingState, Subject};
 pub use rules::{Rule, RuleId, Severity, RULES};
-pub use sample::{ClientSample, GpuReading, GpuSample, NicSample, Owner, Snapshot, Tick};
+pub use sample::{ClientSample, GpuReading, GpuSample, NicSample, Owner, Tick};
+pub use snapshot::Snapshot;

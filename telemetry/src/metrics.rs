@@ -4,7 +4,8 @@
 //! device value onto every job of a shared GPU, which says nothing about each job).
 
 use crate::detect::Subject;
-use crate::sample::{clock_event, GpuReading, GpuSample, Snapshot};
+use crate::sample::{clock_event, GpuReading, GpuSample};
+use crate::snapshot::Snapshot;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;

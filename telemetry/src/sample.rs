@@ -158,16 +158,3 @@ impl Tick {
             .find(|s| s.gpu == gpu)
     }
 }
-
-/// The latest round and what is active: what `/metrics`, `mpsrctl top` and `job-skew` show.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Snapshot {
-    pub node: String,
-    pub simulated: bool,
-    pub tick: Tick,
-    /// Findings active now.
-    pub findings: Vec<crate::detect::Finding>,
-    pub rounds: u64,
-    /// CPU time the sampling thread has used.
-    pub cpu_seconds: f64,
-}

@@ -3,7 +3,7 @@
 
 use crate::detect::{client_util, median};
 use crate::rules::{RuleId, RULES};
-use crate::sample::Snapshot;
+use crate::snapshot::Snapshot;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -57,7 +57,7 @@ fn route(agent: &Agent, method: &Method, url: &str) -> (u16, &'static str, Strin
             &agent.node,
             agent.backend.simulated(),
         );
-        let telemetry = mpsr_telemetry::metrics::render(&agent.telemetry.exporter);
+        let telemetry = mpsr_telemetry::metrics::render(&agent.exporter);
         // Telemetry's text ends with `# EOF` (OpenMetrics): the agent's families go before it.
         let body = match telemetry.strip_suffix("# EOF\n") {
             Some(t) => format!("{t}{own}# EOF\n"),
@@ -69,7 +69,7 @@ fn route(agent: &Agent, method: &Method, url: &str) -> (u16, &'static str, Strin
         let Ok(job) = id.parse::<u32>() else {
             return (400, TEXT, format!("'{id}' is not a job id\n"));
         };
-        let snap = lock(&agent.telemetry.exporter.0).clone();
+        let snap = lock(&agent.exporter.0).clone();
         let view = mpsr_telemetry::skew::job_view(&snap, job);
         return match serde_json::to_string(&view) {
             Ok(s) => (200, JSON, s),

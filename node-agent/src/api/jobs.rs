@@ -38,7 +38,7 @@ pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Respon
         );
     }
     drop(st);
-    super::standby::remove_fifos(&standbys);
+    crate::store::state::remove_fifos(&standbys);
     agent.mark_dirty();
     Response::Ok
 }
@@ -63,7 +63,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
             matches!(p.op, crate::act::slurm::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
         });
     drop(st);
-    super::standby::remove_fifos(&standbys);
+    crate::store::state::remove_fifos(&standbys);
     agent.mark_dirty();
     let keep = if requeued {
         agent.keepers.keep_after_requeue

@@ -68,7 +68,7 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
         let mut st = agent.state();
         // A task has one standby: a new one replaces the last (its supervisor started again).
         let old = st.d.drop_standbys(|s| s.task == task);
-        remove_fifos(&old);
+        crate::store::state::remove_fifos(&old);
         st.d.standbys.iter().filter(|s| s.domain.gpu == gpu).count()
     };
     if on_gpu >= limit {
@@ -178,11 +178,4 @@ fn make_fifo(dir: &std::path::Path, fifo: &std::path::Path, uid: u32) -> std::io
         }
     }
     Ok(())
-}
-
-/// Removes the FIFOs of standbys that are gone.
-pub fn remove_fifos(gone: &[Standby]) {
-    for s in gone {
-        let _ = std::fs::remove_file(&s.fifo);
-    }
 }

@@ -58,7 +58,7 @@ pub fn deregister(
         st.note_exit(t.clone(), keep);
     }
     drop(st);
-    super::standby::remove_fifos(&standbys);
+    crate::store::state::remove_fifos(&standbys);
     tracing::info!(job = job_id, step = %crate::fault::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
     agent.client_exit_signal(&t.gpus, exit_status);
     // Not waited for: a deregistration lost in a crash is redone by the restart's

@@ -93,7 +93,7 @@ pub fn events(agent: &Agent, caller: Caller, limit: u32) -> Response {
 
 pub fn telemetry(agent: &Agent, caller: Caller) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
-    let mut snapshot = crate::sys::lock(&agent.telemetry.exporter.0).clone();
+    let mut snapshot = crate::sys::lock(&agent.exporter.0).clone();
     if !trusted {
         let own = agent.state().d.jobs_of(peer.uid);
         snapshot

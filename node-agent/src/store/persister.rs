@@ -2,11 +2,12 @@
 //! bumps the durable generation. Registry changes alone go to the journal (cheap); anything else
 //! rewrites the state file.
 
-use crate::agent::Agent;
 use crate::store::persist::{self, PersistError};
+use crate::store::state::State;
 use crate::sys::lock;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub struct Persister {
@@ -84,71 +85,42 @@ impl Persister {
     }
 }
 
-impl Agent {
-    fn state_file(&self) -> std::path::PathBuf {
-        self.cfg.state_dir.join("state.json")
-    }
-    /// Marks the telemetry log changed: written by the persister, without the state file.
-    pub fn telemetry_changed(&self) {
-        self.persister.telemetry.store(true, SeqCst);
-        self.mark_journaled();
-    }
-
-    /// Writes one of the side files (history, telemetry log) if its flag was set.
-    fn write_side_file(
-        &self,
-        flag: &AtomicBool,
-        name: &'static str,
-        body: impl FnOnce(&crate::store::state::State) -> serde_json::Result<Vec<u8>>,
-    ) {
-        if !flag.swap(false, SeqCst) {
-            return;
-        }
-        let body = body(&self.state());
-        if let Err(e) = body
-            .map_err(|source| PersistError::Encode { what: name, source })
-            .and_then(|b| persist::write_atomic_bytes(&self.cfg.state_dir.join(name), &b))
-        {
-            // Written again with the next round.
-            flag.store(true, SeqCst);
-            tracing::warn!(file = name, error = %e, "writing a side file failed");
-        }
+impl Persister {
+    /// Marks the telemetry log changed: written without the state file.
+    pub fn telemetry_changed(&self) -> u64 {
+        self.telemetry.store(true, SeqCst);
+        self.mark_journaled()
     }
 
     /// Marks the durable state changed; returns the generation to wait for.
     pub fn mark_dirty(&self) -> u64 {
-        let mut g = lock(&self.persister.gens);
-        self.persister.full.store(true, SeqCst);
+        let mut g = lock(&self.gens);
+        self.full.store(true, SeqCst);
         g.0 += 1;
-        self.persister.cv.notify_all();
+        self.cv.notify_all();
         g.0
     }
 
     /// Marks registry changes recorded with `State::journal` (only a journal append is needed).
     pub fn mark_journaled(&self) -> u64 {
-        let mut g = lock(&self.persister.gens);
+        let mut g = lock(&self.gens);
         g.0 += 1;
-        self.persister.cv.notify_all();
+        self.cv.notify_all();
         g.0
     }
 
     /// The generation of the latest change: waiting for it covers everything changed so far.
     pub fn latest_gen(&self) -> u64 {
-        lock(&self.persister.gens).0
-    }
-
-    /// Blocks until generation `gen` is on disk (bounded: a stuck disk must not hang callers forever).
-    pub fn wait_durable(&self, gen: u64) -> bool {
-        self.wait_durable_within(gen, Duration::from_secs(5)) == Durability::Durable
+        lock(&self.gens).0
     }
 
     /// Waits up to `bound` for generation `gen` to be on disk; returns at once when the state
     /// directory is known to refuse writes (waiting would only delay what must happen anyway).
     pub fn wait_durable_within(&self, gen: u64, bound: Duration) -> Durability {
-        let mut g = lock(&self.persister.gens);
+        let mut g = lock(&self.gens);
         let deadline = Instant::now() + bound;
         while g.1 < gen {
-            if self.persister.failing().is_some() {
+            if self.failing().is_some() {
                 return Durability::Failing;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -156,7 +128,6 @@ impl Agent {
                 return Durability::Slow;
             }
             g = self
-                .persister
                 .cv
                 .wait_timeout(g, left.min(Duration::from_millis(100)))
                 .unwrap_or_else(|p| p.into_inner())
@@ -165,16 +136,19 @@ impl Agent {
         Durability::Durable
     }
 
-    pub(crate) fn persist_now(&self) {
+    /// Writes what changed in `state` to `dir`: the journal's new entries, or the whole state
+    /// file (after a non-registry change, or once the journal is long); the side files whose
+    /// flag is set.
+    pub fn persist(&self, state: &Mutex<State>, dir: &Path) {
         let (target, mut full) = {
-            let g = lock(&self.persister.gens);
-            (g.0, self.persister.full.swap(false, SeqCst))
+            let g = lock(&self.gens);
+            (g.0, self.full.swap(false, SeqCst))
         };
-        let mut journal = lock(&self.persister.journal);
+        let mut journal = lock(&self.journal);
         full |= journal.len > JOURNAL_MAX;
         let result = if full {
             let body = {
-                let mut st = self.state();
+                let mut st = lock(state);
                 // Everything journaled so far is in memory, hence in this file.
                 st.d.journal_seq = st.next_seq - 1;
                 st.journal_pending.clear();
@@ -184,50 +158,73 @@ impl Agent {
                 what: "state.json",
                 source,
             })
-            .and_then(|b| persist::write_atomic_bytes(&self.state_file(), &b))
+            .and_then(|b| persist::write_atomic_bytes(&dir.join("state.json"), &b))
             .and_then(|_| journal.reset().map_err(PersistError::Journal))
         } else {
-            let entries = std::mem::take(&mut self.state().journal_pending);
+            let entries = std::mem::take(&mut lock(state).journal_pending);
             if entries.is_empty() {
                 Ok(())
             } else {
                 journal.append(&entries).map_err(PersistError::Journal)
             }
         };
-        self.write_side_file(&self.persister.history, "history.json", |st| {
+        write_side_file(&self.history, state, dir, "history.json", |st| {
             serde_json::to_vec(&st.history)
         });
-        self.write_side_file(&self.persister.telemetry, "telemetry.json", |st| {
+        write_side_file(&self.telemetry, state, dir, "telemetry.json", |st| {
             serde_json::to_vec(&st.telemetry)
         });
-        self.persister.record(&result);
+        self.record(&result);
         match result {
             Ok(()) => {
-                let mut g = lock(&self.persister.gens);
+                let mut g = lock(&self.gens);
                 g.1 = g.1.max(target);
-                self.persister.cv.notify_all();
+                self.cv.notify_all();
             }
             Err(e) => {
                 // The next attempt writes the whole state, which holds whatever was lost here.
-                self.persister.full.store(true, SeqCst);
+                self.full.store(true, SeqCst);
                 tracing::error!(error = %e, "persisting state failed; will retry");
             }
         }
     }
 
-    pub(crate) fn persist_loop(self: Arc<Self>) {
+    /// The writer thread: persists each new generation (group commit), until the process ends.
+    pub fn run(&self, state: &Mutex<State>, dir: &Path) {
         loop {
             {
-                let mut g = lock(&self.persister.gens);
+                let mut g = lock(&self.gens);
                 while g.1 >= g.0 {
-                    g = self.persister.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                    g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
                 }
             }
-            let before = lock(&self.persister.gens).1;
-            self.persist_now();
-            if lock(&self.persister.gens).1 == before {
+            let before = lock(&self.gens).1;
+            self.persist(state, dir);
+            if lock(&self.gens).1 == before {
                 std::thread::sleep(Duration::from_millis(200)); // write failed; back off
             }
         }
+    }
+}
+
+/// Writes one of the side files (history, telemetry log) if its flag was set.
+fn write_side_file(
+    flag: &AtomicBool,
+    state: &Mutex<State>,
+    dir: &Path,
+    name: &'static str,
+    body: impl FnOnce(&State) -> serde_json::Result<Vec<u8>>,
+) {
+    if !flag.swap(false, SeqCst) {
+        return;
+    }
+    let body = body(&lock(state));
+    if let Err(e) = body
+        .map_err(|source| PersistError::Encode { what: name, source })
+        .and_then(|b| persist::write_atomic_bytes(&dir.join(name), &b))
+    {
+        // Written again with the next round.
+        flag.store(true, SeqCst);
+        tracing::warn!(file = name, error = %e, "writing a side file failed");
     }
 }

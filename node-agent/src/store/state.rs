@@ -59,6 +59,13 @@ impl Standby {
     }
 }
 
+/// Removes the FIFOs of standbys that are gone (outside the state lock).
+pub fn remove_fifos(gone: &[Standby]) {
+    for s in gone {
+        let _ = std::fs::remove_file(&s.fifo);
+    }
+}
+
 /// The two incarnations of an armed task, each a pid and its start time (/proc), so that a pid
 /// reused by another process is never killed nor taken for the standby.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
