@@ -2,7 +2,10 @@
 //! die, faults of each class injected, exact hit sets and actions asserted. Slurm's scontrol is
 //! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
 
-use mpsr_proto::{Client, CulpritEvidence, Mode, Registration, Request, Response, ServerState};
+use mpsr_proto::{
+    Client, CulpritEvidence, FaultClass, Mode, Registration, Request, Response, ServerState,
+    SignalSource,
+};
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -294,13 +297,13 @@ fn xid31_hits_every_job_on_the_gpu_and_spares_the_other_gpu() {
     assert_eq!(ev.len(), 1, "nvml + kmsg signals are one fault: {ev:?}");
     let f = &ev[0];
     assert_eq!(
-        (f.gpu, f.xids.clone(), f.class.as_str()),
-        (0, vec![31], "app_memory")
+        (f.gpu, f.xids.clone(), f.class),
+        (0, vec![31], FaultClass::AppMemory)
     );
     assert_eq!(f.hit_jobs, vec![1, 2, 3]);
     assert_eq!(f.spared_jobs, vec![4]);
     assert!(
-        f.sources.contains(&"nvml".to_string()) && f.sources.contains(&"kmsg".to_string()),
+        f.sources.contains(&SignalSource::Nvml) && f.sources.contains(&SignalSource::Kmsg),
         "{f:?}"
     );
     // The kernel line named the first client, not the culprit; it was not blamed.
@@ -439,7 +442,7 @@ fn a_contained_fault_ends_only_the_culprit_in_a_shared_server() {
             .is_some_and(|f| f.culprit == Some(b.id()))
     });
     let f = &e.events()[0];
-    assert_eq!(f.sources, vec!["isolation".to_string()]);
+    assert_eq!(f.sources, vec![SignalSource::Isolation]);
     assert_eq!(f.hit_jobs, vec![2]);
     assert_eq!(f.spared_jobs, vec![1]);
     assert_eq!(f.culprit_job, Some(2));
@@ -485,7 +488,7 @@ fn an_attributed_fault_names_the_culprit_and_still_hits_its_server() {
     assert_eq!(f.culprit_evidence, Some(CulpritEvidence::Isolation));
     assert!(!f.contained, "the cancel ran: an Xid followed");
     assert!(
-        f.sources.contains(&"isolation".to_string()) && f.sources.contains(&"kmsg".to_string())
+        f.sources.contains(&SignalSource::Isolation) && f.sources.contains(&SignalSource::Kmsg)
     );
     assert!(
         !e.scontrol_log().contains("requeue 2"),
@@ -527,7 +530,7 @@ fn a_contained_claim_refuted_by_the_xid_that_follows_hits_the_whole_server() {
     });
     let f = &e.events()[0];
     assert_eq!(f.culprit_job, Some(2), "{f:?}");
-    assert!(f.sources.contains(&"isolation".to_string()), "{f:?}");
+    assert!(f.sources.contains(&SignalSource::Isolation), "{f:?}");
     assert!(
         !e.scontrol_log().contains("requeue 2"),
         "the named culprit is failed"
@@ -1183,7 +1186,7 @@ fn a_fault_hits_only_the_jobs_of_its_domain() {
     assert!(
         f.sources
             .iter()
-            .any(|s| s == "mps_log" || s == "mps_status"),
+            .any(|s| matches!(s, SignalSource::MpsLog | SignalSource::MpsStatus)),
         "{f}"
     );
     for (p, what) in [(&mut b.proc, "B"), (&mut c.proc, "C"), (&mut d.proc, "D")] {
@@ -1266,7 +1269,7 @@ fn a_fault_no_log_shows_is_found_by_asking_each_server() {
     e.inject(0, 43, None, None);
     e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 41"));
     let f = &e.events()[0];
-    assert!(f.sources.contains(&"mps_status".to_string()), "{f}");
+    assert!(f.sources.contains(&SignalSource::MpsStatus), "{f}");
     assert!(!f.awaiting_domain);
 }
 

@@ -7,6 +7,7 @@
 //! This crate is deliberately small (serde + libc) so the plugin does not link the agent's dependencies.
 
 mod client;
+pub mod fault;
 pub mod fdpass;
 pub mod frame;
 pub mod keeper;
@@ -16,6 +17,7 @@ pub mod standby;
 pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
+pub use fault::{FaultClass, SignalSource};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
 
 use serde::{Deserialize, Serialize};
@@ -398,8 +400,9 @@ pub struct DecisionRecord {
     pub at_ms: u64,
     pub gpu: u32,
     pub xids: Vec<u32>,
-    pub class: String,
-    pub sources: Vec<String>,
+    #[serde(deserialize_with = "fault::class_or_unknown")]
+    pub class: FaultClass,
+    pub sources: Vec<SignalSource>,
     /// The pid the kernel log named (unreliable under MPS; never acted on alone).
     pub reported_pid: Option<u32>,
     /// The culprit, if an isolation source named it.
@@ -429,6 +432,13 @@ pub struct DecisionRecord {
     pub outcome: Vec<String>,
 }
 
+impl DecisionRecord {
+    /// The sources' names, as people read them.
+    pub fn source_names(&self) -> Vec<&'static str> {
+        self.sources.iter().map(|s| s.name()).collect()
+    }
+}
+
 /// The decision as people read it (mpsrctl events, job reports, the demo).
 impl std::fmt::Display for DecisionRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -440,7 +450,7 @@ impl std::fmt::Display for DecisionRecord {
             self.gpu,
             self.xids,
             self.class,
-            self.sources,
+            self.source_names(),
             opt(self.reported_pid, "-"),
             opt(self.culprit, "unknown"),
             self.hit_domains

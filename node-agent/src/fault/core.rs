@@ -100,9 +100,8 @@ pub fn on_signal(st: &mut State, ctx: &Ctx, gpu: u32, s: &Signal) -> Vec<Effect>
             let Some(r) = st.history.iter_mut().rev().find(|r| r.fault_id == id) else {
                 return Vec::new();
             };
-            let n = s.source.name().to_string();
-            if !r.sources.contains(&n) {
-                r.sources.push(n);
+            if !r.sources.contains(&s.source) {
+                r.sources.push(s.source);
             }
             if r.reported_pid.is_none() {
                 r.reported_pid = s.reported_pid;
@@ -409,8 +408,8 @@ fn record(
         at_ms: ev.first_ms,
         gpu: ev.gpu,
         xids: ev.xids.clone(),
-        class: dec.class.to_string(),
-        sources: ev.sources.iter().map(|s| s.name().to_string()).collect(),
+        class: dec.class,
+        sources: ev.sources.iter().copied().collect(),
         reported_pid: ev.reported_pid,
         culprit: ev.culprit,
         hit_domains: dec.hit_domains.iter().copied().collect(),
@@ -431,7 +430,7 @@ fn record(
         gpu = record.gpu,
         xids = ?record.xids,
         class = %record.class,
-        sources = ?record.sources,
+        sources = ?record.source_names(),
         reported_pid = ?record.reported_pid,
         culprit = ?record.culprit,
         hit_domains = ?record.hit_domains,

@@ -4,32 +4,7 @@ use crate::intake::kernel_line::PciAddr;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Source {
-    Nvml,
-    Kmsg,
-    MpsLog,
-    /// A domain's server seen in FAULT (`get_server_status`), probed after a GPU-wide signal.
-    MpsStatus,
-    ClientExit,
-    /// The driver patch's isolation line.
-    Isolation,
-    Sim,
-}
-
-impl Source {
-    pub fn name(self) -> &'static str {
-        match self {
-            Source::Nvml => "nvml",
-            Source::Kmsg => "kmsg",
-            Source::MpsLog => "mps_log",
-            Source::MpsStatus => "mps_status",
-            Source::ClientExit => "client_exit",
-            Source::Isolation => "isolation",
-            Source::Sim => "sim",
-        }
-    }
-}
+pub use mpsr_proto::SignalSource as Source;
 
 /// Where a signal says the fault happened: NVML knows the index, the kernel log only the PCI address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

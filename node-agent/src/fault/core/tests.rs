@@ -162,7 +162,10 @@ fn an_app_fault_no_domain_has_shown_yet_asks_the_servers_and_hits_nobody() {
     // Another source of the same fault adds nothing to decide: only the history changes.
     let e = w.feed(w.signal(Source::Nvml, Some(31), None, 60));
     assert_eq!(e, vec![Effect::History]);
-    assert_eq!(w.st.history[0].sources, vec!["kmsg", "mps_log", "nvml"]);
+    assert_eq!(
+        w.st.history[0].sources,
+        vec![Source::Kmsg, Source::MpsLog, Source::Nvml]
+    );
 }
 
 #[test]
@@ -422,7 +425,7 @@ fn the_servers_line_releases_the_standby_and_the_xid_keeps_the_hit_set() {
     // The server's fatal-error line comes before any Xid: decided at once.
     let e = w.feed(w.signal(Source::MpsLog, None, Some(0), 0));
     assert!(matches!(e[0], Effect::Release(_)), "{e:?}");
-    assert_eq!(w.st.history[0].class, "app_server");
+    assert_eq!(w.st.history[0].class, FaultClass::AppServer);
     // What the worker records once the standby runs: the task is in the standby's domain now.
     let sb_domain = DomainId { gpu: 0, slot: 1 };
     w.st.d.registry.get_mut((1, 0, 100)).unwrap().domains = vec![sb_domain];
@@ -442,8 +445,8 @@ fn the_servers_line_releases_the_standby_and_the_xid_keeps_the_hit_set() {
     );
     let r = &w.st.history[0];
     assert_eq!(
-        (r.class.as_str(), r.hit_jobs.clone()),
-        ("app_sm", vec![1, 2])
+        (r.class, r.hit_jobs.clone()),
+        (FaultClass::AppSm, vec![1, 2])
     );
     assert_eq!(r.culprit_job, None);
     // A later fault of the standby domain is the task's.
