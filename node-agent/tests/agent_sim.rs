@@ -3,8 +3,8 @@
 //! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
 
 use mpsr_proto::{
-    Client, CulpritEvidence, FaultClass, Mode, Registration, Request, Response, ServerState,
-    SignalSource,
+    Client, CulpritEvidence, FaultAction, FaultClass, Mode, Registration, Request, Response,
+    ServerState, SignalSource,
 };
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -310,8 +310,11 @@ fn xid31_hits_every_job_on_the_gpu_and_spares_the_other_gpu() {
     assert_eq!(f.reported_pid, Some(c1.id()));
     assert_eq!(f.culprit, None);
     assert!(
-        f.actions
-            .contains(&format!("resume job 3 step 0 task pid {}", c3.id())),
+        f.actions.contains(&FaultAction::Resume {
+            job_id: 3,
+            step_id: 0,
+            pid: c3.id()
+        }),
         "{:?}",
         f.actions
     );
@@ -451,7 +454,7 @@ fn a_contained_fault_ends_only_the_culprit_in_a_shared_server() {
     assert!(f
         .actions
         .iter()
-        .any(|x| x.starts_with("terminate_client gpu0")));
+        .any(|x| matches!(x, FaultAction::TerminateClient { domain, .. } if domain.gpu == 0)));
     assert_eq!(status(&e).gpus[0].state, ServerState::Active);
     assert!(
         !f.outcome.iter().any(|o| o.contains("ACTIVE again")),
@@ -553,7 +556,9 @@ fn an_isolation_line_naming_an_unregistered_process_ends_nobody() {
     assert_eq!(f.culprit_job, None, "{f:?}");
     assert!(f.hit_jobs.is_empty(), "{f:?}");
     assert!(
-        !f.actions.iter().any(|x| x.starts_with("terminate_client")),
+        !f.actions
+            .iter()
+            .any(|x| matches!(x, FaultAction::TerminateClient { .. })),
         "{f:?}"
     );
     assert_eq!(exit_code(&mut stranger, Duration::from_millis(200)), None);

@@ -2,6 +2,7 @@
 //! sources of its signals. Serialized as their snake_case names, as decision records have always
 //! carried them; a name a newer agent adds reads as `unknown` / `other` here.
 
+use crate::DomainId;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::fmt;
 
@@ -140,6 +141,174 @@ impl fmt::Display for SignalSource {
     }
 }
 
+/// A step id as people read it: `batch` for the batch step.
+pub fn step_name(step: u32) -> String {
+    if step == crate::BATCH_STEP {
+        "batch".into()
+    } else {
+        step.to_string()
+    }
+}
+
+fn parse_step(s: &str) -> Option<u32> {
+    match s {
+        "batch" => Some(crate::BATCH_STEP),
+        n => n.parse().ok(),
+    }
+}
+
+fn parse_domain(s: &str) -> Option<DomainId> {
+    let (gpu, slot) = s.strip_prefix("gpu")?.split_once('/')?;
+    let gpu = gpu.parse().ok()?;
+    match slot {
+        "shared" => Some(DomainId::shared(gpu)),
+        d => Some(DomainId {
+            gpu,
+            slot: d.strip_prefix('d')?.parse().ok()?,
+        }),
+    }
+}
+
+/// What a decision does for a hit job or for the node. On the wire and on disk it is the line
+/// people read ("requeue job 7"), as records always carried it, and it is read back into its
+/// kind; a line this release cannot read (a newer agent's) is kept whole as `Other`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum FaultAction {
+    /// End only this MPS client (`terminate_client`); the others keep running.
+    TerminateClient { domain: DomainId, pid: u32 },
+    /// `scontrol requeue` a batch job.
+    Requeue { job_id: u32 },
+    /// Hand the task to the resume path (restart in place once its server is ACTIVE).
+    Resume { job_id: u32, step_id: u32, pid: u32 },
+    /// The task must not be resumed (culprit, or GPU unusable): its supervisor is told to fail it.
+    FailTask {
+        job_id: u32,
+        step_id: u32,
+        pid: u32,
+        why: String,
+    },
+    /// `scontrol update State=DRAIN Reason="mpsr: ..."` (hardware classes only).
+    DrainNode { reason: String },
+    /// Hit, but nothing to do; said why.
+    None { job_id: u32, why: String },
+    /// An action this release cannot read.
+    Other(String),
+}
+
+impl fmt::Display for FaultAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FaultAction::TerminateClient { domain, pid } => {
+                write!(f, "terminate_client {domain} pid {pid}")
+            }
+            FaultAction::Requeue { job_id } => write!(f, "requeue job {job_id}"),
+            FaultAction::Resume {
+                job_id,
+                step_id,
+                pid,
+            } => write!(
+                f,
+                "resume job {job_id} step {} task pid {pid}",
+                step_name(*step_id)
+            ),
+            FaultAction::FailTask {
+                job_id,
+                step_id,
+                pid,
+                why,
+            } => write!(
+                f,
+                "fail job {job_id} step {} task pid {pid} ({why})",
+                step_name(*step_id)
+            ),
+            FaultAction::DrainNode { reason } => write!(f, "drain node \"{reason}\""),
+            FaultAction::None { job_id, why } => write!(f, "none for job {job_id} ({why})"),
+            FaultAction::Other(line) => f.write_str(line),
+        }
+    }
+}
+
+impl From<FaultAction> for String {
+    fn from(a: FaultAction) -> String {
+        a.to_string()
+    }
+}
+
+impl From<String> for FaultAction {
+    fn from(line: String) -> FaultAction {
+        FaultAction::parse(&line).unwrap_or(FaultAction::Other(line))
+    }
+}
+
+impl FaultAction {
+    /// Reads a line `Display` wrote.
+    fn parse(line: &str) -> Option<FaultAction> {
+        // "(why)" at the end of a line, and what comes before it.
+        let with_why = |rest: &str| -> Option<(String, String)> {
+            let (head, why) = rest.split_once(" (")?;
+            Some((head.to_string(), why.strip_suffix(')')?.to_string()))
+        };
+        let words = |s: &str| s.split(' ').map(str::to_string).collect::<Vec<_>>();
+        if let Some(rest) = line.strip_prefix("terminate_client ") {
+            let w = words(rest);
+            return match &w[..] {
+                [d, p, pid] if p == "pid" => Some(FaultAction::TerminateClient {
+                    domain: parse_domain(d)?,
+                    pid: pid.parse().ok()?,
+                }),
+                _ => None,
+            };
+        }
+        if let Some(rest) = line.strip_prefix("requeue job ") {
+            return Some(FaultAction::Requeue {
+                job_id: rest.parse().ok()?,
+            });
+        }
+        if let Some(rest) = line.strip_prefix("resume job ") {
+            let w = words(rest);
+            return match &w[..] {
+                [job, s, step, t, p, pid] if s == "step" && t == "task" && p == "pid" => {
+                    Some(FaultAction::Resume {
+                        job_id: job.parse().ok()?,
+                        step_id: parse_step(step)?,
+                        pid: pid.parse().ok()?,
+                    })
+                }
+                _ => None,
+            };
+        }
+        if let Some(rest) = line.strip_prefix("fail job ") {
+            let (head, why) = with_why(rest)?;
+            let w = words(&head);
+            return match &w[..] {
+                [job, s, step, t, p, pid] if s == "step" && t == "task" && p == "pid" => {
+                    Some(FaultAction::FailTask {
+                        job_id: job.parse().ok()?,
+                        step_id: parse_step(step)?,
+                        pid: pid.parse().ok()?,
+                        why,
+                    })
+                }
+                _ => None,
+            };
+        }
+        if let Some(rest) = line.strip_prefix("drain node \"") {
+            return Some(FaultAction::DrainNode {
+                reason: rest.strip_suffix('"')?.to_string(),
+            });
+        }
+        if let Some(rest) = line.strip_prefix("none for job ") {
+            let (job, why) = with_why(rest)?;
+            return Some(FaultAction::None {
+                job_id: job.parse().ok()?,
+                why,
+            });
+        }
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,5 +336,56 @@ mod tests {
         assert_eq!(r.class, FaultClass::Unknown);
         let r: R = serde_json::from_str(r#"{"class": "app_sm"}"#).unwrap();
         assert_eq!(r.class, FaultClass::AppSm);
+    }
+
+    #[test]
+    fn actions_go_as_their_lines_and_are_read_back() {
+        let all = [
+            FaultAction::TerminateClient {
+                domain: DomainId { gpu: 0, slot: 2 },
+                pid: 41,
+            },
+            FaultAction::TerminateClient {
+                domain: DomainId::shared(1),
+                pid: 42,
+            },
+            FaultAction::Requeue { job_id: 7 },
+            FaultAction::Resume {
+                job_id: 3,
+                step_id: 0,
+                pid: 100,
+            },
+            FaultAction::Resume {
+                job_id: 3,
+                step_id: crate::BATCH_STEP,
+                pid: 101,
+            },
+            FaultAction::FailTask {
+                job_id: 4,
+                step_id: 2,
+                pid: 102,
+                why: "app_sm: GPU unusable (and not a batch job)".into(),
+            },
+            FaultAction::DrainNode {
+                reason: "mpsr: xid 79 (device_lost) on gpu0 of n1".into(),
+            },
+            FaultAction::None {
+                job_id: 9,
+                why: "no action for class info".into(),
+            },
+        ];
+        for a in all {
+            let wire = serde_json::to_string(&a).unwrap();
+            assert_eq!(wire, serde_json::to_string(&a.to_string()).unwrap());
+            let back: FaultAction = serde_json::from_str(&wire).unwrap();
+            assert_eq!(back, a, "{wire}");
+        }
+        assert_eq!(
+            serde_json::to_string(&FaultAction::Requeue { job_id: 27 }).unwrap(),
+            "\"requeue job 27\"",
+            "the line records always carried"
+        );
+        let later: FaultAction = serde_json::from_str("\"migrate job 5 to gpu1\"").unwrap();
+        assert_eq!(later, FaultAction::Other("migrate job 5 to gpu1".into()));
     }
 }

@@ -17,7 +17,7 @@ pub mod standby;
 pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
-pub use fault::{FaultClass, SignalSource};
+pub use fault::{step_name, FaultAction, FaultClass, SignalSource};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
 
 use serde::{Deserialize, Serialize};
@@ -424,7 +424,7 @@ pub struct DecisionRecord {
     pub awaiting_domain: bool,
     pub hit_jobs: Vec<u32>,
     pub spared_jobs: Vec<u32>,
-    pub actions: Vec<String>,
+    pub actions: Vec<FaultAction>,
     /// Microseconds from first signal to decision.
     pub decide_us: u64,
     /// What happened afterwards (server back to ACTIVE, Slurm action results), appended as it happens.

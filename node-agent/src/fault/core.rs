@@ -209,10 +209,8 @@ fn apply(
     decide_us: u64,
     hit: &HitTasks,
 ) -> Vec<Effect> {
-    let mut action_lines = Vec::new();
     let mut effects = Vec::new();
     for a in &dec.actions {
-        action_lines.push(a.to_string());
         match a {
             Action::TerminateClient { domain, pid } => effects.push(Effect::Terminate {
                 domain: *domain,
@@ -243,6 +241,8 @@ fn apply(
                 *job_id,
                 format!("fault {}: no action ({why})", ev.id),
             ),
+            // Only read from records of a newer agent; a decision never makes one.
+            Action::Other(_) => {}
         }
     }
     for &job in &dec.hit {
@@ -260,7 +260,7 @@ fn apply(
             quarantine(st, ctx, ev, job, uid);
         }
     }
-    record(st, ctx, ev, dec, decide_us, action_lines);
+    record(st, ctx, ev, dec, decide_us);
     effects.push(Effect::History);
     effects.push(Effect::Persist);
     // Releases first: a standby's takeover is the latency a hit task feels.
@@ -395,14 +395,7 @@ fn quarantine(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job: u32, uid: u32) {
 
 /// The decision record: added, or replacing the earlier decision of the same fault (its outcome
 /// lines are kept).
-fn record(
-    st: &mut State,
-    ctx: &Ctx,
-    ev: &FaultEvent,
-    dec: &Decision,
-    decide_us: u64,
-    actions: Vec<String>,
-) {
+fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us: u64) {
     let record = DecisionRecord {
         fault_id: ev.id,
         at_ms: ev.first_ms,
@@ -419,7 +412,7 @@ fn record(
         awaiting_domain: dec.awaiting_domain,
         hit_jobs: dec.hit.iter().copied().collect(),
         spared_jobs: dec.spared.iter().copied().collect(),
-        actions,
+        actions: dec.actions.clone(),
         decide_us,
         outcome: Vec::new(),
     };
@@ -438,7 +431,7 @@ fn record(
         awaiting_domain = record.awaiting_domain,
         hit = ?record.hit_jobs,
         spared = ?record.spared_jobs,
-        actions = ?record.actions,
+        actions = ?record.actions.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         decide_us = record.decide_us,
         simulated = ctx.simulated,
         "decision"

@@ -7,61 +7,12 @@ use crate::fault::correlate::FaultEvent;
 use crate::store::registry::Registry;
 use mpsr_proto::{CulpritEvidence, DomainId, Mode};
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Action {
-    /// End only this MPS client (`terminate_client`); the others keep running.
-    TerminateClient { domain: DomainId, pid: u32 },
-    /// `scontrol requeue` a batch job.
-    Requeue { job_id: u32 },
-    /// Hand the task to the resume path (restart in place once its server is ACTIVE).
-    Resume { job_id: u32, step_id: u32, pid: u32 },
-    /// The task must not be resumed (culprit, or GPU unusable): its supervisor is told to fail it.
-    FailTask {
-        job_id: u32,
-        step_id: u32,
-        pid: u32,
-        why: String,
-    },
-    /// `scontrol update State=DRAIN Reason="mpsr: ..."` (hardware classes only).
-    DrainNode { reason: String },
-    /// Hit, but nothing to do; said why.
-    None { job_id: u32, why: String },
-}
+/// What a decision does (typed; records carry it as the line people read).
+pub use mpsr_proto::FaultAction as Action;
 
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Action::TerminateClient { domain, pid } => {
-                write!(f, "terminate_client {domain} pid {pid}")
-            }
-            Action::Requeue { job_id } => write!(f, "requeue job {job_id}"),
-            Action::Resume {
-                job_id,
-                step_id,
-                pid,
-            } => write!(
-                f,
-                "resume job {job_id} step {} task pid {pid}",
-                step_name(*step_id)
-            ),
-            Action::FailTask {
-                job_id, pid, why, ..
-            } => write!(f, "fail job {job_id} task pid {pid} ({why})"),
-            Action::DrainNode { reason } => write!(f, "drain node \"{reason}\""),
-            Action::None { job_id, why } => write!(f, "none for job {job_id} ({why})"),
-        }
-    }
-}
-
-pub fn step_name(step: u32) -> String {
-    if step == mpsr_proto::BATCH_STEP {
-        "batch".into()
-    } else {
-        step.to_string()
-    }
-}
+/// A step id as people read it.
+pub use mpsr_proto::step_name;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
