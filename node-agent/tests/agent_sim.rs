@@ -3,8 +3,8 @@
 //! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
 
 use mpsr_proto::{
-    Client, CulpritEvidence, FaultAction, FaultClass, Mode, Registration, Request, Response,
-    ServerState, SignalSource,
+    Client, CulpritEvidence, FaultAction, FaultClass, FaultOutcome, Mode, Registration, Request,
+    Response, ServerState, SignalSource,
 };
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -323,9 +323,9 @@ fn xid31_hits_every_job_on_the_gpu_and_spares_the_other_gpu() {
     // The server recovers once the faulting clients are gone; a new client is accepted.
     e.wait_for("recovery", |e| {
         e.events()[0]
-            .outcome
+            .outcomes
             .iter()
-            .any(|o| o.contains("ACTIVE again"))
+            .any(|o| matches!(o, FaultOutcome::ServerActive { .. }))
     });
     let mut c5 = e.client(0, 0.2, false);
     assert_eq!(exit_code(&mut c5, Duration::from_secs(5)), Some(0));
@@ -354,9 +354,11 @@ fn server_refuses_clients_while_in_fault_and_lingering_clients_are_terminated() 
     // A hit job's client still attached after the grace is ended (SIGKILL: terminate_client
     // does not reach a client that is not calling CUDA, and blocks the control daemon).
     e.wait_for("the lingering client ended", |e| {
-        e.events()
-            .first()
-            .is_some_and(|f| f.outcome.iter().any(|o| o.contains("ended with SIGKILL")))
+        e.events().first().is_some_and(|f| {
+            f.outcomes
+                .iter()
+                .any(|o| matches!(o, FaultOutcome::HitClientKilled { error: None, .. }))
+        })
     });
     // SAFETY: as above.
     unsafe { libc::kill(c1.id() as i32, libc::SIGKILL) };
@@ -457,9 +459,11 @@ fn a_contained_fault_ends_only_the_culprit_in_a_shared_server() {
         .any(|x| matches!(x, FaultAction::TerminateClient { domain, .. } if domain.gpu == 0)));
     assert_eq!(status(&e).gpus[0].state, ServerState::Active);
     assert!(
-        !f.outcome.iter().any(|o| o.contains("ACTIVE again")),
+        !f.outcomes
+            .iter()
+            .any(|o| matches!(o, FaultOutcome::ServerActive { .. })),
         "no server faulted, so none is watched back: {:?}",
-        f.outcome
+        f.outcomes
     );
     assert!(
         !e.scontrol_log().contains("requeue"),
@@ -1301,11 +1305,9 @@ fn an_app_fault_no_registered_domain_shows_hits_nobody() {
     assert_eq!(r, Response::Ok);
     e.inject(0, 31, None, Some(left.domain.slot));
     e.wait_for("the no-domain outcome", |e| {
-        e.events().iter().any(|f| {
-            f.outcome
-                .iter()
-                .any(|o| o.contains("no fault domain showed"))
-        })
+        e.events()
+            .iter()
+            .any(|f| f.outcomes.contains(&FaultOutcome::NoDomainShowed))
     });
     let f = &e.events()[0];
     assert!(f.hit_jobs.is_empty() && f.awaiting_domain, "{f}");
@@ -1345,9 +1347,9 @@ fn an_idle_hit_client_is_ended_so_its_server_recovers() {
     e.inject(0, 43, None, None);
     e.wait_for("the blocker reported", |e| {
         e.events().first().is_some_and(|f| {
-            f.outcome
+            f.outcomes
                 .iter()
-                .any(|o| o.contains(&format!("client {} is no registered task", stranger.id())))
+                .any(|o| matches!(o, FaultOutcome::ServerHeld { pid, .. } if *pid == stranger.id()))
         })
     });
     let st = idle.wait().unwrap();
@@ -1362,16 +1364,23 @@ fn an_idle_hit_client_is_ended_so_its_server_recovers() {
     );
     let f = &e.events()[0];
     assert!(
-        f.outcome.iter().any(|o| o.contains("ended with SIGKILL")),
+        f.outcomes
+            .iter()
+            .any(|o| matches!(o, FaultOutcome::HitClientKilled { error: None, .. })),
         "{f}"
     );
-    assert!(!f.outcome.iter().any(|o| o.contains("ACTIVE again")), "{f}");
+    assert!(
+        !f.outcomes
+            .iter()
+            .any(|o| matches!(o, FaultOutcome::ServerActive { .. })),
+        "{f}"
+    );
     let _ = stranger.kill();
     e.wait_for("server ACTIVE once the blocker is gone", |e| {
         e.events()[0]
-            .outcome
+            .outcomes
             .iter()
-            .any(|o| o.contains("ACTIVE again"))
+            .any(|o| matches!(o, FaultOutcome::ServerActive { .. }))
     });
 }
 
@@ -1476,6 +1485,7 @@ fn names_only_job_91(records: &serde_json::Value) {
         assert_eq!(r["spared_jobs"], serde_json::json!([]), "{r}");
         assert_eq!(r["actions"], serde_json::json!([]), "{r}");
         assert_eq!(r["outcome"], serde_json::json!([]), "{r}");
+        assert_eq!(r["outcomes"], serde_json::json!([]), "{r}");
         assert!(r["reported_pid"].is_null() && r["culprit"].is_null(), "{r}");
     }
 }
@@ -2358,10 +2368,9 @@ fn a_hot_standby_takes_over_a_hit_task_without_a_restart() {
         "{f:?}"
     );
     e.wait_for("the outcome line", |e| {
-        e.events()[0]
-            .outcome
-            .iter()
-            .any(|o| o.contains(&format!("standby pid {standby} took over task 51")))
+        e.events()[0].outcomes.iter().any(|o| {
+            matches!(o, FaultOutcome::StandbyTookOver { standby: s, job: 51, .. } if *s == standby)
+        })
     });
     e.wait_for("the neighbour requeued", |e| {
         e.scontrol_log().contains("requeue 52")

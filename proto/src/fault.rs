@@ -309,6 +309,103 @@ impl FaultAction {
     }
 }
 
+/// What happened after a decision, in order. Records carry these (`outcomes`) and, for clients
+/// of 0.1.0, the same as the lines people read (`outcome`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FaultOutcome {
+    /// The domain's server is ACTIVE again, `ms` after the fault.
+    ServerActive { domain: DomainId, ms: u64 },
+    /// A client of a hit job still held its server in FAULT after the grace: SIGKILLed (`error`:
+    /// why the kill failed).
+    HitClientKilled {
+        domain: DomainId,
+        pid: u32,
+        grace_ms: u64,
+        error: Option<String>,
+    },
+    /// A client of no hit job holds the server in FAULT: terminate_client sent, never killed.
+    ServerHeld { domain: DomainId, pid: u32 },
+    /// What terminate_client answered for a client.
+    ClientTerminated {
+        domain: DomainId,
+        pid: u32,
+        error: Option<String>,
+    },
+    /// A Slurm action carried out (`done`) or given up; what Slurm said, for people.
+    Slurm { done: bool, detail: String },
+    /// A hot standby took over the task, released `released_us` after the fault's first signal.
+    StandbyTookOver {
+        job: u32,
+        step: u32,
+        standby: u32,
+        primary: u32,
+        primary_ended: bool,
+        released_us: u64,
+    },
+    /// The task's standby was gone: restarted in place instead.
+    StandbyGone { job: u32, step: u32, standby: u32 },
+    /// No domain showed an application fault: nobody was acted on.
+    NoDomainShowed,
+}
+
+impl fmt::Display for FaultOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FaultOutcome::ServerActive { domain, ms } => {
+                write!(f, "{domain} MPS server ACTIVE again {ms} ms after the fault")
+            }
+            FaultOutcome::HitClientKilled {
+                domain,
+                pid,
+                grace_ms,
+                error,
+            } => write!(
+                f,
+                "client {pid} of a hit job still held {domain} in FAULT after {grace_ms} ms (not calling CUDA?): {}",
+                match error {
+                    None => "ended with SIGKILL".to_string(),
+                    Some(e) => format!("SIGKILL failed: {e}"),
+                }
+            ),
+            FaultOutcome::ServerHeld { domain, pid } => write!(
+                f,
+                "{domain} stays in FAULT: client {pid} is no registered task of a hit job; not killed, terminate_client sent (an operator can also: mpsrctl terminate --gpu {} --slot {} --pid {pid})",
+                domain.gpu, domain.slot
+            ),
+            FaultOutcome::ClientTerminated { domain, pid, error } => write!(
+                f,
+                "terminate_client {pid} on {domain}: {}",
+                error.as_deref().unwrap_or("ok")
+            ),
+            FaultOutcome::Slurm { done: true, detail } => f.write_str(detail),
+            FaultOutcome::Slurm { done: false, detail } => write!(f, "FAILED: {detail}"),
+            FaultOutcome::StandbyTookOver {
+                job,
+                step,
+                standby,
+                primary,
+                primary_ended,
+                released_us,
+            } => write!(
+                f,
+                "standby pid {standby} took over task {job}.{} (released {:.1} ms after the fault's first signal; primary pid {primary} {})",
+                step_name(*step),
+                *released_us as f64 / 1000.0,
+                if *primary_ended { "ended" } else { "already gone" }
+            ),
+            FaultOutcome::StandbyGone { job, step, standby } => write!(
+                f,
+                "standby pid {standby} of task {job}.{} was gone: restarted in place instead",
+                step_name(*step)
+            ),
+            FaultOutcome::NoDomainShowed => f.write_str(
+                "no fault domain showed the fault (no server.log fatal error, no server in FAULT): nobody was acted on",
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,5 +484,49 @@ mod tests {
         );
         let later: FaultAction = serde_json::from_str("\"migrate job 5 to gpu1\"").unwrap();
         assert_eq!(later, FaultAction::Other("migrate job 5 to gpu1".into()));
+    }
+
+    #[test]
+    fn outcomes_read_as_the_lines_they_replace_and_travel_typed() {
+        let d = DomainId { gpu: 0, slot: 2 };
+        let cases = [
+            (
+                FaultOutcome::ServerActive { domain: d, ms: 375 },
+                "gpu0/d2 MPS server ACTIVE again 375 ms after the fault",
+            ),
+            (
+                FaultOutcome::HitClientKilled {
+                    domain: d,
+                    pid: 9,
+                    grace_ms: 2000,
+                    error: None,
+                },
+                "client 9 of a hit job still held gpu0/d2 in FAULT after 2000 ms (not calling CUDA?): ended with SIGKILL",
+            ),
+            (
+                FaultOutcome::Slurm {
+                    done: false,
+                    detail: "gave up after 5 attempts: timeout".into(),
+                },
+                "FAILED: gave up after 5 attempts: timeout",
+            ),
+            (
+                FaultOutcome::StandbyTookOver {
+                    job: 51,
+                    step: 0,
+                    standby: 77,
+                    primary: 76,
+                    primary_ended: true,
+                    released_us: 34_812,
+                },
+                "standby pid 77 took over task 51.0 (released 34.8 ms after the fault's first signal; primary pid 76 ended)",
+            ),
+        ];
+        for (o, line) in cases {
+            assert_eq!(o.to_string(), line);
+            let back: FaultOutcome =
+                serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
+            assert_eq!(back, o);
+        }
     }
 }

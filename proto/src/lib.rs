@@ -17,7 +17,7 @@ pub mod standby;
 pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
-pub use fault::{step_name, FaultAction, FaultClass, SignalSource};
+pub use fault::{step_name, FaultAction, FaultClass, FaultOutcome, SignalSource};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
 
 use serde::{Deserialize, Serialize};
@@ -427,9 +427,13 @@ pub struct DecisionRecord {
     pub actions: Vec<FaultAction>,
     /// Microseconds from first signal to decision.
     pub decide_us: u64,
-    /// What happened afterwards (server back to ACTIVE, Slurm action results), appended as it happens.
+    /// What happened afterwards (server back to ACTIVE, Slurm action results), appended as it
+    /// happens, as the lines people read (what 0.1.0 carried; `outcomes` holds the same, typed).
     #[serde(default)]
     pub outcome: Vec<String>,
+    /// What happened afterwards, typed (absent in records of 0.1.0).
+    #[serde(default)]
+    pub outcomes: Vec<FaultOutcome>,
 }
 
 impl DecisionRecord {

@@ -13,7 +13,7 @@ use crate::agent::Agent;
 use crate::fault::classify::FaultClass;
 use crate::store::state::{State, Takeover};
 use crate::sys::procfs;
-use mpsr_proto::{DomainId, ResumeVerdict, ServerState};
+use mpsr_proto::{DomainId, FaultOutcome, ResumeVerdict, ServerState};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,9 +48,12 @@ impl Agent {
                     let ms = since.elapsed().as_millis();
                     let mut st = self.state();
                     st.recovering.remove(&domain);
-                    let line = format!("{domain} MPS server ACTIVE again {ms} ms after the fault");
-                    tracing::info!(%domain, fault_id, "{line}");
-                    self.add_outcome(&mut st, fault_id, line);
+                    let o = FaultOutcome::ServerActive {
+                        domain,
+                        ms: ms as u64,
+                    };
+                    tracing::info!(%domain, fault_id, "{o}");
+                    self.add_outcome(&mut st, fault_id, o);
                 }
                 // A server holding a poisoned client may not answer at all (its control daemon
                 // blocks): Down here is that, not a dead daemon.
@@ -85,22 +88,20 @@ impl Agent {
             let a = self.clone();
             std::thread::spawn(move || {
                 let res = a.backend.terminate_client(domain, pid);
-                let line = format!(
-                    "terminate_client {pid} on {domain}: {}",
-                    match res {
-                        Ok(()) => "ok".to_string(),
-                        Err(e) => e.to_string(),
-                    }
-                );
-                tracing::warn!(%domain, pid, "{line}");
+                let o = FaultOutcome::ClientTerminated {
+                    domain,
+                    pid,
+                    error: res.err().map(|e| e.to_string()),
+                };
+                tracing::warn!(%domain, pid, "{o}");
                 let mut st = a.state();
-                a.add_outcome(&mut st, fault_id, line);
+                a.add_outcome(&mut st, fault_id, o);
             });
         }
-        for line in lines {
-            tracing::warn!(%domain, fault_id, "{line}");
+        for o in lines {
+            tracing::warn!(%domain, fault_id, "{o}");
             let mut st = self.state();
-            self.add_outcome(&mut st, fault_id, line);
+            self.add_outcome(&mut st, fault_id, o);
         }
     }
 
@@ -138,7 +139,7 @@ impl Agent {
         domain: DomainId,
         grace: Duration,
         clients: Vec<u32>,
-    ) -> Option<(Vec<String>, Vec<u32>)> {
+    ) -> Option<(Vec<FaultOutcome>, Vec<u32>)> {
         let (mut lines, mut terminate) = (Vec::new(), Vec::new());
         let mut st = self.state();
         let hit = st.recovering.get(&domain)?.hit_jobs.clone();
@@ -164,19 +165,17 @@ impl Agent {
                 // SAFETY: kill(2) has no memory-safety preconditions; the pid is a live client
                 // of this domain's server that runs under a registered task of a hit job.
                 let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                lines.push(format!(
-                    "client {pid} of a hit job still held {domain} in FAULT after {} ms (not calling CUDA?): {}",
-                    grace.as_millis(),
-                    if rc == 0 { "ended with SIGKILL".to_string() } else { format!("SIGKILL failed: {}", std::io::Error::last_os_error()) }
-                ));
+                lines.push(FaultOutcome::HitClientKilled {
+                    domain,
+                    pid,
+                    grace_ms: grace.as_millis() as u64,
+                    error: (rc != 0).then(|| std::io::Error::last_os_error().to_string()),
+                });
             }
         }
         for pid in blockers {
             if r.blockers_reported.insert(pid) {
-                lines.push(format!(
-                    "{domain} stays in FAULT: client {pid} is no registered task of a hit job; not killed, terminate_client sent (an operator can also: mpsrctl terminate --gpu {} --slot {} --pid {pid})",
-                    domain.gpu, domain.slot
-                ));
+                lines.push(FaultOutcome::ServerHeld { domain, pid });
                 terminate.push(pid);
             }
         }

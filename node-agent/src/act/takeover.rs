@@ -12,6 +12,7 @@ use crate::agent::Agent;
 use crate::fault::core::Release;
 use crate::store::state::Takeover;
 use crate::sys::procfs;
+use mpsr_proto::FaultOutcome;
 use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 
@@ -41,17 +42,17 @@ impl Agent {
         }
         let _ = std::fs::remove_file(&r.standby.fifo);
         let (job, step, pid) = r.task;
-        let line = if released {
-            format!(
-                "standby pid {standby} took over task {job}.{} (released {ms:.1} ms after the fault's first signal; primary pid {primary} {})",
-                crate::fault::decide::step_name(step),
-                if fenced { "ended" } else { "already gone" }
-            )
+        let o = if released {
+            FaultOutcome::StandbyTookOver {
+                job,
+                step,
+                standby,
+                primary,
+                primary_ended: fenced,
+                released_us: (ms * 1000.0) as u64,
+            }
         } else {
-            format!(
-                "standby pid {standby} of task {job}.{} was gone: restarted in place instead",
-                crate::fault::decide::step_name(step)
-            )
+            FaultOutcome::StandbyGone { job, step, standby }
         };
         tracing::info!(
             fault_id = r.fault_id,
@@ -60,7 +61,7 @@ impl Agent {
             standby,
             released,
             ms,
-            "{line}"
+            "{o}"
         );
         let mut st = self.state();
         if let Some(e) = st.d.resume.get_mut(r.task) {
@@ -77,9 +78,9 @@ impl Agent {
         crate::store::state::push_outcome(
             &mut st.d.outcomes,
             job,
-            format!("fault {}: {line}", r.fault_id),
+            format!("fault {}: {o}", r.fault_id),
         );
-        self.add_outcome(&mut st, r.fault_id, line);
+        self.add_outcome(&mut st, r.fault_id, o);
         drop(st);
         self.mark_dirty();
     }

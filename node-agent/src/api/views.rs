@@ -142,6 +142,7 @@ pub(super) fn redact(
     }
     r.actions.clear();
     r.outcome.clear();
+    r.outcomes.clear();
     r.reported_pid = None;
     r.culprit = None;
     Some(r)

@@ -320,9 +320,9 @@ impl Agent {
                 .find(|r| r.fault_id == p.fault_id)
                 .is_some_and(|r| r.awaiting_domain);
             if still {
-                let line = "no fault domain showed the fault (no server.log fatal error, no server in FAULT): nobody was acted on".to_string();
-                tracing::warn!(fault_id = p.fault_id, gpu = p.gpu, "{line}");
-                self.add_outcome(&mut st, p.fault_id, line);
+                let o = mpsr_proto::FaultOutcome::NoDomainShowed;
+                tracing::warn!(fault_id = p.fault_id, gpu = p.gpu, "{o}");
+                self.add_outcome(&mut st, p.fault_id, o);
             }
         }
     }

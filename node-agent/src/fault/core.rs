@@ -415,6 +415,7 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
         actions: dec.actions.clone(),
         decide_us,
         outcome: Vec::new(),
+        outcomes: Vec::new(),
     };
     // One structured line per decision.
     tracing::info!(
@@ -443,9 +444,13 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
             .iter()
             .filter(|j| !old.hit_jobs.contains(j))
             .count() as u64;
-        let outcome = std::mem::take(&mut old.outcome);
+        let (lines, outcomes) = (
+            std::mem::take(&mut old.outcome),
+            std::mem::take(&mut old.outcomes),
+        );
         *old = record;
-        old.outcome = outcome;
+        old.outcome = lines;
+        old.outcomes = outcomes;
     } else {
         totals.faults += 1;
         totals.hit_jobs += record.hit_jobs.len() as u64;

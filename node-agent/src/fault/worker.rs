@@ -132,8 +132,13 @@ impl Agent {
     }
 
     /// Adds an outcome line to a fault's record and has the history written.
-    pub fn add_outcome(&self, st: &mut crate::store::state::State, fault_id: u64, line: String) {
-        st.add_outcome(fault_id, line);
+    pub fn add_outcome(
+        &self,
+        st: &mut crate::store::state::State,
+        fault_id: u64,
+        outcome: mpsr_proto::FaultOutcome,
+    ) {
+        st.add_outcome(fault_id, outcome);
         self.persister.history_changed();
         self.mark_journaled();
     }

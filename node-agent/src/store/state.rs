@@ -400,15 +400,16 @@ impl State {
             .collect()
     }
 
-    /// Adds an outcome line to a fault's decision record (if it is still in the history).
-    pub fn add_outcome(&mut self, fault_id: u64, line: String) {
+    /// Adds an outcome to a fault's decision record (if it is still in the history).
+    pub fn add_outcome(&mut self, fault_id: u64, outcome: mpsr_proto::FaultOutcome) {
         if let Some(r) = self
             .history
             .iter_mut()
             .rev()
             .find(|r| r.fault_id == fault_id)
         {
-            r.outcome.push(line);
+            r.outcome.push(outcome.to_string());
+            r.outcomes.push(outcome);
         }
     }
 

@@ -108,14 +108,17 @@ impl Agent {
         while st.d.done_keys.len() > DONE_KEYS_KEPT {
             st.d.done_keys.pop_front();
         }
-        let line = if ok { msg } else { format!("FAILED: {msg}") };
+        let o = mpsr_proto::FaultOutcome::Slurm {
+            done: ok,
+            detail: msg,
+        };
         if let Some(j) = job {
             push_outcome(
                 &mut st.d.outcomes,
                 j,
-                format!("fault {}: {line}", next.fault_id),
+                format!("fault {}: {o}", next.fault_id),
             );
         }
-        self.add_outcome(&mut st, next.fault_id, line);
+        self.add_outcome(&mut st, next.fault_id, o);
     }
 }
