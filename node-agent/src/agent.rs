@@ -8,7 +8,7 @@ use crate::domain::{DomainProbe, Policy};
 use crate::fault::classify::Classifier;
 use crate::fault::correlate::{Correlator, Signal};
 use crate::gpu::GpuBackend;
-use crate::store::persist;
+use crate::store::atomic_file;
 use crate::store::persister::{Durability, Persister};
 use crate::store::state::{Durable, State};
 use crate::sys::{lock, procfs};
@@ -46,7 +46,7 @@ pub struct Agent {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error(transparent)]
-    Persist(#[from] persist::PersistError),
+    Persist(#[from] atomic_file::PersistError),
     #[error("creating {path}: {source}")]
     Dir {
         path: PathBuf,
@@ -100,7 +100,7 @@ impl Agent {
             trusted,
             policy: cfg.mps.policy(),
             state: Mutex::new(State {
-                d,
+                durable: d,
                 history,
                 telemetry,
                 correlator: Correlator::new(window),
@@ -204,7 +204,7 @@ struct Recovered {
 /// Reads the state back and reconciles it with the processes alive now: tasks that exited while
 /// the agent was down leave the registry (and their standbys and resume entries go).
 fn recover_state(cfg: &Config) -> Result<Recovered, StartError> {
-    let mut d: Durable = persist::read(&cfg.state_dir.join("state.json"))?.unwrap_or_default();
+    let mut d: Durable = atomic_file::read(&cfg.state_dir.join("state.json"))?.unwrap_or_default();
     let journal_path = cfg.state_dir.join("registry.journal");
     let (replayed, last_seq) =
         crate::store::journal::Journal::replay(&journal_path, d.journal_seq, &mut d.registry);
@@ -212,9 +212,9 @@ fn recover_state(cfg: &Config) -> Result<Recovered, StartError> {
         tracing::info!(entries = replayed, "registry journal replayed");
     }
     let history: VecDeque<DecisionRecord> =
-        persist::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
+        atomic_file::read(&cfg.state_dir.join("history.json"))?.unwrap_or_default();
     let telemetry: crate::store::state::TelemetryLog =
-        persist::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
+        atomic_file::read(&cfg.state_dir.join("telemetry.json"))?.unwrap_or_default();
     let gone = d.registry.reconcile(procfs::alive);
     d.tasks_left(&gone, crate::sys::now_ms());
     // Standbys of tasks that are gone, or whose standby process is.

@@ -101,7 +101,7 @@ impl Agent {
         let ancestry: Vec<Vec<u32>> = clients.iter().map(|c| procfs::ancestry(c.pid)).collect();
         let st = self.state();
         for (c, anc) in clients.iter_mut().zip(ancestry) {
-            let task = anc.iter().find_map(|p| st.d.registry.task_by_pid(*p));
+            let task = anc.iter().find_map(|p| st.durable.registry.task_by_pid(*p));
             c.owner = task.map(|t| Owner {
                 job: t.job_id,
                 step: t.step_id,

@@ -85,7 +85,7 @@ impl Agent {
         loop {
             let lost: BTreeSet<u32> = self
                 .state()
-                .d
+                .durable
                 .unhealthy
                 .iter()
                 .filter(|(_, (c, _))| *c == FaultClass::DeviceLost)

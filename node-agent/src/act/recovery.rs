@@ -110,7 +110,7 @@ impl Agent {
     fn hit_roots(&self, domain: DomainId) -> Option<Vec<u32>> {
         let mut st = self.state();
         let State {
-            d,
+            durable: d,
             recent_exits,
             recovering,
             ..
@@ -147,7 +147,10 @@ impl Agent {
         for pid in clients {
             let ancestry = procfs::ancestry(pid);
             let of_hit_job = hit.iter().any(|j| {
-                st.d.registry.task_in_ancestry(*j, &ancestry).is_some()
+                st.durable
+                    .registry
+                    .task_in_ancestry(*j, &ancestry)
+                    .is_some()
                     || st
                         .recent_exits
                         .iter()
@@ -185,7 +188,7 @@ impl Agent {
     fn clear_healed(&self) {
         let unhealthy: Vec<(u32, FaultClass)> = self
             .state()
-            .d
+            .durable
             .unhealthy
             .iter()
             .map(|(g, (c, _))| (*g, *c))
@@ -196,7 +199,7 @@ impl Agent {
                 && self.backend.probe_healthy(gpu)
                 && self.backend.server_state(DomainId::shared(gpu)) != ServerState::Lost
             {
-                self.state().d.unhealthy.remove(&gpu);
+                self.state().durable.unhealthy.remove(&gpu);
                 tracing::info!(gpu, "GPU answers again; marked healthy");
                 self.mark_dirty();
                 // Its memory did not survive the reset: a fresh keeper restores snapshots.
@@ -226,12 +229,12 @@ impl Agent {
     }
 
     pub fn resume_verdict(&self, key: crate::store::registry::TaskKey) -> (ResumeVerdict, String) {
-        let entry = self.state().d.resume.get(key).cloned();
+        let entry = self.state().durable.resume.get(key).cloned();
         let Some(e) = entry else {
             return (ResumeVerdict::NotHit, "no fault known for this task".into());
         };
         let done = |v: ResumeVerdict, why: String| {
-            self.state().d.resume.remove(key);
+            self.state().durable.resume.remove(key);
             self.mark_dirty();
             (v, why)
         };

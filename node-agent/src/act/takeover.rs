@@ -64,7 +64,7 @@ impl Agent {
             "{o}"
         );
         let mut st = self.state();
-        if let Some(e) = st.d.resume.get_mut(r.task) {
+        if let Some(e) = st.durable.resume.get_mut(r.task) {
             e.takeover = Some(if released {
                 Takeover::Released(standby)
             } else {
@@ -76,7 +76,7 @@ impl Agent {
             move_to_standby_domain(&mut st, &r);
         }
         crate::store::state::push_outcome(
-            &mut st.d.outcomes,
+            &mut st.durable.outcomes,
             job,
             format!("fault {}: {o}", r.fault_id),
         );
@@ -90,7 +90,7 @@ impl Agent {
 /// re-decisions still see it where the fault found it.
 fn move_to_standby_domain(st: &mut crate::store::state::State, r: &Release) {
     let d = r.standby.domain;
-    let Some(t) = st.d.registry.get_mut(r.task) else {
+    let Some(t) = st.durable.registry.get_mut(r.task) else {
         return;
     };
     let from = t

@@ -45,7 +45,7 @@ pub fn render(st: &State, gpus: &[u32], node: &str, simulated: bool) -> String {
         "gauge",
         "1 while a hardware fault class holds the GPU unhealthy (the health check drains the node)",
     );
-    for (g, (class, _)) in &st.d.unhealthy {
+    for (g, (class, _)) in &st.durable.unhealthy {
         let _ = writeln!(out, "mpsr_gpu_unhealthy{{gpu=\"{g}\",class=\"{class}\"}} 1");
     }
     family(
@@ -54,7 +54,11 @@ pub fn render(st: &State, gpus: &[u32], node: &str, simulated: bool) -> String {
         "gauge",
         "Slurm actions (requeue, drain, fault lines) queued or being retried",
     );
-    let _ = writeln!(out, "mpsr_slurm_actions_pending {}", st.d.pending.len());
+    let _ = writeln!(
+        out,
+        "mpsr_slurm_actions_pending {}",
+        st.durable.pending.len()
+    );
     family(
         &mut out,
         "mpsr_agent_info",

@@ -13,23 +13,24 @@ use std::time::Duration;
 pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Response {
     let mut st = agent.state();
     // Leftovers of an earlier run of this job id (a requeue) whose processes are gone.
-    let stale: Vec<_> =
-        st.d.registry
-            .tasks()
-            .filter(|t| t.job_id == job_id && !procfs::alive(t.pid, t.start_ticks))
-            .map(|t| (t.job_id, t.step_id, t.pid))
-            .collect();
+    let stale: Vec<_> = st
+        .durable
+        .registry
+        .tasks()
+        .filter(|t| t.job_id == job_id && !procfs::alive(t.pid, t.start_ticks))
+        .map(|t| (t.job_id, t.step_id, t.pid))
+        .collect();
     let left: Vec<Task> = stale
         .iter()
-        .filter_map(|k| st.d.registry.remove(*k))
+        .filter_map(|k| st.durable.registry.remove(*k))
         .collect();
-    st.d.tasks_left(&left, crate::sys::now_ms());
-    st.d.resume.remove_job(job_id);
-    let standbys = st.d.drop_standbys(|s| s.task.0 == job_id);
-    st.d.start_run(job_id, uid, restart_count);
+    st.durable.tasks_left(&left, crate::sys::now_ms());
+    st.durable.resume.remove_job(job_id);
+    let standbys = st.durable.drop_standbys(|s| s.task.0 == job_id);
+    st.durable.start_run(job_id, uid, restart_count);
     if restart_count > 0 {
         crate::store::state::push_outcome(
-            &mut st.d.outcomes,
+            &mut st.durable.outcomes,
             job_id,
             format!(
                 "started again on {} (restart {restart_count}, uid {uid})",
@@ -46,20 +47,25 @@ pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Respon
 /// A run of a job ended here (the epilog): its tasks go, its report is kept for its owner.
 pub fn end(agent: &Agent, job_id: u32) -> Response {
     let mut st = agent.state();
-    let owner = st.d.owner_of(job_id);
-    st.d.running.remove(&job_id);
-    let left = st.d.registry.remove_job(job_id);
-    st.d.tasks_left(&left, crate::sys::now_ms());
-    st.d.resume.remove_job(job_id);
-    let standbys = st.d.drop_standbys(|s| s.task.0 == job_id);
-    let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
+    let owner = st.durable.owner_of(job_id);
+    st.durable.running.remove(&job_id);
+    let left = st.durable.registry.remove_job(job_id);
+    st.durable.tasks_left(&left, crate::sys::now_ms());
+    st.durable.resume.remove_job(job_id);
+    let standbys = st.durable.drop_standbys(|s| s.task.0 == job_id);
+    let rep = job_report(
+        &st.history,
+        &st.durable.outcomes,
+        &st.telemetry.records,
+        job_id,
+    );
     if let Some(uid) = owner {
-        crate::store::state::archive_report(&mut st.d, uid, rep.clone());
+        crate::store::state::archive_report(&mut st.durable, uid, rep.clone());
     }
     // A requeued job may come back here: its kept GPU state waits for it a while. Its
     // requeue may also still be queued (Slurm ends the job before the agent's call runs).
-    let requeued = st.d.requeued.remove(&job_id).is_some()
-        || st.d.pending.iter().any(|p| {
+    let requeued = st.durable.requeued.remove(&job_id).is_some()
+        || st.durable.pending.iter().any(|p| {
             matches!(p.op, crate::act::slurm::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
         });
     drop(st);
@@ -74,7 +80,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
     std::thread::spawn(move || keepers.job_end(job_id, keep));
     // The epilog hands this to the job's owner: only what the owner may see.
     let own: std::collections::BTreeSet<u32> = match owner {
-        Some(uid) => agent.state().d.jobs_of(uid),
+        Some(uid) => agent.state().durable.jobs_of(uid),
         None => [job_id].into(),
     };
     Response::JobReport(redacted(rep, &own))
@@ -94,17 +100,22 @@ fn redacted(mut rep: JobReport, own: &std::collections::BTreeSet<u32>) -> JobRep
 pub fn report(agent: &Agent, caller: Caller, job_id: u32) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let st = agent.state();
-    if !trusted && st.d.owner_of(job_id) != Some(peer.uid) {
+    if !trusted && st.durable.owner_of(job_id) != Some(peer.uid) {
         return denied(format!(
             "job {job_id} is not a known job of uid {}",
             peer.uid
         ));
     }
-    let rep = job_report(&st.history, &st.d.outcomes, &st.telemetry.records, job_id);
+    let rep = job_report(
+        &st.history,
+        &st.durable.outcomes,
+        &st.telemetry.records,
+        job_id,
+    );
     if trusted {
         return Response::JobReport(rep);
     }
-    Response::JobReport(redacted(rep, &st.d.jobs_of(peer.uid)))
+    Response::JobReport(redacted(rep, &st.durable.jobs_of(peer.uid)))
 }
 
 fn job_report(

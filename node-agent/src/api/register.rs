@@ -91,7 +91,7 @@ fn registrant(agent: &Agent, caller: Caller, r: &Registration) -> Step<u32> {
         }
         (false, _) => peer.uid,
     };
-    let run = agent.state().d.running.get(&r.job_id).copied();
+    let run = agent.state().durable.running.get(&r.job_id).copied();
     if run.is_none_or(|run| run.uid != uid) {
         tracing::warn!(
             peer_uid = peer.uid,
@@ -177,15 +177,16 @@ fn beside_the_job(agent: &Agent, r: &Registration, uid: u32) -> Vec<Placement> {
     r.gpus
         .iter()
         .map(|g| {
-            let domain =
-                st.d.registry
-                    .tasks()
-                    .filter(|t| t.job_id == r.job_id && t.uid == uid)
-                    .find_map(|t| t.domain_on(*g))
-                    .unwrap_or(DomainId::shared(*g));
+            let domain = st
+                .durable
+                .registry
+                .tasks()
+                .filter(|t| t.job_id == r.job_id && t.uid == uid)
+                .find_map(|t| t.domain_on(*g))
+                .unwrap_or(DomainId::shared(*g));
             Placement {
                 domain,
-                isolation: match st.d.domains.tenancy(domain) {
+                isolation: match st.durable.domains.tenancy(domain) {
                     Tenancy::Shared | Tenancy::Standby => Isolation::Shared,
                     Tenancy::Job(_) => Isolation::Job,
                     Tenancy::User(_) => Isolation::User,
@@ -209,14 +210,15 @@ fn record(
 ) -> Step<u64> {
     let mut st = agent.state();
     if trusted {
-        task.restart_count = st.d.note_running(r.job_id, uid, r.restart_count);
-    } else if let Some(run) = st.d.running.get(&r.job_id) {
+        task.restart_count = st.durable.note_running(r.job_id, uid, r.restart_count);
+    } else if let Some(run) = st.durable.running.get(&r.job_id) {
         task.restart_count = run.restart_count;
     }
-    let evicted =
-        st.d.registry
-            .register(task.clone())
-            .map_err(|e| denied(e.to_string()))?;
+    let evicted = st
+        .durable
+        .registry
+        .register(task.clone())
+        .map_err(|e| denied(e.to_string()))?;
     for t in &evicted {
         st.journal(Op::Remove {
             job: t.job_id,
@@ -225,7 +227,7 @@ fn record(
         });
     }
     st.journal(Op::Register { task });
-    st.d.tasks_left(&evicted, crate::sys::now_ms());
+    st.durable.tasks_left(&evicted, crate::sys::now_ms());
     for d in placed
         .iter()
         .filter(|p| p.quarantine_waived)
@@ -233,7 +235,7 @@ fn record(
     {
         tracing::warn!(job = r.job_id, uid, domain = %d, "quarantined job placed where it asked: no fault domain free on its GPU");
         push_outcome(
-            &mut st.d.outcomes,
+            &mut st.durable.outcomes,
             r.job_id,
             format!(
                 "quarantine not applied on gpu{}: all {} fault domains in use; placed in {} as asked",
@@ -296,6 +298,6 @@ fn admit(agent: &Agent, job: u32, placed: &[Placement]) {
         }
         None => return,
     };
-    push_outcome(&mut agent.state().d.outcomes, job, line);
+    push_outcome(&mut agent.state().durable.outcomes, job, line);
     agent.mark_dirty();
 }

@@ -17,12 +17,17 @@ use std::path::PathBuf;
 fn own_task(agent: &Agent, caller: Caller, (job, step, pid): TaskKey) -> Result<Task, NotOwnTask> {
     let st = agent.state();
     let from = if caller.trusted { pid } else { caller.peer.pid };
-    let t =
-        st.d.registry
-            .get((job, step, pid))
-            .filter(|_| caller.trusted || procfs::ancestry(from).contains(&pid))
-            .or_else(|| st.d.registry.task_in_ancestry(job, &procfs::ancestry(from)))
-            .cloned();
+    let t = st
+        .durable
+        .registry
+        .get((job, step, pid))
+        .filter(|_| caller.trusted || procfs::ancestry(from).contains(&pid))
+        .or_else(|| {
+            st.durable
+                .registry
+                .task_in_ancestry(job, &procfs::ancestry(from))
+        })
+        .cloned();
     match t {
         Some(t) if caller.trusted || t.uid == caller.peer.uid => Ok(t),
         _ => Err(NotOwnTask {
@@ -67,9 +72,13 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
     let on_gpu = {
         let mut st = agent.state();
         // A task has one standby: a new one replaces the last (its supervisor started again).
-        let old = st.d.drop_standbys(|s| s.task == task);
+        let old = st.durable.drop_standbys(|s| s.task == task);
         crate::store::state::remove_fifos(&old);
-        st.d.standbys.iter().filter(|s| s.domain.gpu == gpu).count()
+        st.durable
+            .standbys
+            .iter()
+            .filter(|s| s.domain.gpu == gpu)
+            .count()
     };
     if on_gpu >= limit {
         return Response::error(
@@ -92,7 +101,7 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
             format!("standby FIFO {}: {e}", fifo.display()),
         );
     }
-    agent.state().d.standbys.push(Standby {
+    agent.state().durable.standbys.push(Standby {
         task,
         uid: t.uid,
         domain,
@@ -141,7 +150,7 @@ pub fn arm(
     }
     let task = (t.job_id, t.step_id, t.pid);
     let mut st = agent.state();
-    let Some(sb) = st.d.standbys.iter_mut().find(|s| s.task == task) else {
+    let Some(sb) = st.durable.standbys.iter_mut().find(|s| s.task == task) else {
         return Response::error(
             ErrorCode::NotFound,
             format!("no standby prepared for task {}.{}", t.job_id, t.step_id),

@@ -36,7 +36,7 @@ pub fn deregister(
 ) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let mut st = agent.state();
-    let Some(t) = st.d.registry.get((job_id, step_id, pid)).cloned() else {
+    let Some(t) = st.durable.registry.get((job_id, step_id, pid)).cloned() else {
         return Response::error(
             ErrorCode::NotFound,
             format!("task {job_id}.{step_id} pid {pid} is not registered"),
@@ -45,9 +45,11 @@ pub fn deregister(
     if !trusted && t.uid != peer.uid {
         return denied(format!("job {job_id} belongs to another user"));
     }
-    st.d.registry.remove((job_id, step_id, pid));
-    st.d.tasks_left([&t], crate::sys::now_ms());
-    let standbys = st.d.drop_standbys(|s| s.task == (job_id, step_id, pid));
+    st.durable.registry.remove((job_id, step_id, pid));
+    st.durable.tasks_left([&t], crate::sys::now_ms());
+    let standbys = st
+        .durable
+        .drop_standbys(|s| s.task == (job_id, step_id, pid));
     st.journal(crate::store::journal::Op::Remove {
         job: job_id,
         step: step_id,
@@ -120,12 +122,14 @@ pub fn resume_query(agent: &Agent, caller: Caller, (job_id, step_id, pid): TaskK
     let (peer, trusted) = (caller.peer, caller.trusted);
     let task = {
         let st = agent.state();
-        st.d.registry
+        st.durable
+            .registry
             .get((job_id, step_id, pid))
             .or_else(|| {
                 // Only a trusted caller may speak for another process.
                 let from = if trusted { pid } else { peer.pid };
-                st.d.registry
+                st.durable
+                    .registry
                     .task_in_ancestry(job_id, &procfs::ancestry(from))
             })
             .cloned()
@@ -156,7 +160,7 @@ pub fn task_of(agent: &Agent, pid: u32) -> Response {
     let ancestry = procfs::ancestry(pid);
     let found = agent
         .state()
-        .d
+        .durable
         .registry
         .tasks()
         .find(|t| ancestry.contains(&t.pid))

@@ -10,13 +10,14 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
     let (tasks, pending, unhealthy) = {
         let st = agent.state();
         (
-            st.d.registry
+            st.durable
+                .registry
                 .tasks()
                 .filter(|t| trusted || t.uid == peer.uid)
                 .map(|t| {
                     let mut s = t.status();
                     s.standby = st
-                        .d
+                        .durable
                         .standbys
                         .iter()
                         .find(|sb| sb.task == (t.job_id, t.step_id, t.pid) && sb.armed.is_some())
@@ -24,8 +25,8 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
                     s
                 })
                 .collect::<Vec<_>>(),
-            st.d.pending.len() as u32,
-            st.d.unhealthy.clone(),
+            st.durable.pending.len() as u32,
+            st.durable.unhealthy.clone(),
         )
     };
     let own: Option<std::collections::BTreeSet<u32>> =
@@ -65,7 +66,7 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
 pub fn events(agent: &Agent, caller: Caller, limit: u32) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let st = agent.state();
-    let own = st.d.jobs_of(peer.uid);
+    let own = st.durable.jobs_of(peer.uid);
     let n = limit.clamp(1, 10_000) as usize;
     let mut events = newest(st.history.iter(), n, |r| {
         if trusted {
@@ -95,7 +96,7 @@ pub fn telemetry(agent: &Agent, caller: Caller) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let mut snapshot = crate::sys::lock(&agent.exporter.0).clone();
     if !trusted {
-        let own = agent.state().d.jobs_of(peer.uid);
+        let own = agent.state().durable.jobs_of(peer.uid);
         snapshot
             .tick
             .clients
@@ -114,7 +115,12 @@ pub fn telemetry(agent: &Agent, caller: Caller) -> Response {
 
 pub fn health(agent: &Agent) -> Response {
     let st = agent.state();
-    let mut reasons: Vec<String> = st.d.unhealthy.values().map(|(_, r)| r.clone()).collect();
+    let mut reasons: Vec<String> = st
+        .durable
+        .unhealthy
+        .values()
+        .map(|(_, r)| r.clone())
+        .collect();
     reasons.extend(agent.telemetry_reasons(&st.telemetry.active));
     drop(st);
     Response::Health(HealthReply {

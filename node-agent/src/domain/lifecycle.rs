@@ -86,7 +86,7 @@ impl Agent {
         for g in self.backend.gpus() {
             self.start_domain(&self.spec(DomainId::shared(g.index), None))?;
         }
-        let records: Vec<DomainRecord> = self.state().d.domains.records().cloned().collect();
+        let records: Vec<DomainRecord> = self.state().durable.domains.records().cloned().collect();
         for r in records {
             match self.start_domain(&self.spec(r.id, Some(&r))) {
                 Ok(()) => {
@@ -94,7 +94,7 @@ impl Agent {
                 }
                 Err(e) => {
                     tracing::error!(domain = %r.id, error = %e, "fault domain could not be started again; dropped");
-                    self.state().d.domains.remove(r.id);
+                    self.state().durable.domains.remove(r.id);
                     self.mark_dirty();
                 }
             }
@@ -143,7 +143,8 @@ impl Agent {
             let now = crate::sys::now_ms();
             for &gpu in gpus {
                 let p =
-                    st.d.domains
+                    st.durable
+                        .domains
                         .place(&self.policy, gpu, job, uid, asked, limits, now)?;
                 if let Some(rec) = p.start {
                     to_start.push(rec);
@@ -172,7 +173,7 @@ impl Agent {
                 self.stop_domain(rec.id);
             }
             if let Err(source) = self.start_domain(&self.spec(rec.id, Some(&rec))) {
-                self.state().d.domains.remove(rec.id);
+                self.state().durable.domains.remove(rec.id);
                 self.mark_dirty();
                 return Err(PlacementError::Start {
                     domain: rec.id,
@@ -187,7 +188,11 @@ impl Agent {
     /// The domain a hot standby of a task in domain `of` waits in (started if new).
     pub fn place_standby(&self, of: DomainId) -> Result<DomainId, PlacementError> {
         let _serial = lock(&self.domain_ops);
-        let (id, start) = self.state().d.domains.standby_domain(&self.policy, of)?;
+        let (id, start) = self
+            .state()
+            .durable
+            .domains
+            .standby_domain(&self.policy, of)?;
         self.start_placed(start.into_iter().collect())?;
         Ok(id)
     }
@@ -200,11 +205,11 @@ impl Agent {
             self.backend
                 .gpus()
                 .iter()
-                .filter(|g| !st.d.unhealthy.contains_key(&g.index))
+                .filter(|g| !st.durable.unhealthy.contains_key(&g.index))
                 .flat_map(|g| st.domains_of_gpu(g.index))
                 // A server recovering from a fault may not answer: it is not dead.
                 .filter(|d| !st.recovering.contains_key(d))
-                .map(|d| (d, st.d.domains.get(d).cloned()))
+                .map(|d| (d, st.durable.domains.get(d).cloned()))
                 .collect()
         };
         for (d, rec) in domains {
@@ -243,12 +248,13 @@ impl Agent {
             }
             let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
                 let st = self.state();
-                let ids = st.d.domains.records().map(|r| r.id).collect();
-                let used =
-                    st.d.registry
-                        .tasks()
-                        .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
-                        .collect();
+                let ids = st.durable.domains.records().map(|r| r.id).collect();
+                let used = st
+                    .durable
+                    .registry
+                    .tasks()
+                    .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
+                    .collect();
                 (ids, used)
             };
             // A client not (yet) registered keeps its domain alive too.
@@ -260,18 +266,19 @@ impl Agent {
             let expired = {
                 let mut st = self.state();
                 let now = crate::sys::now_ms();
-                let used_now: BTreeSet<DomainId> =
-                    st.d.registry
-                        .tasks()
-                        .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
-                        .collect();
-                let e = st.d.domains.expired(
+                let used_now: BTreeSet<DomainId> = st
+                    .durable
+                    .registry
+                    .tasks()
+                    .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
+                    .collect();
+                let e = st.durable.domains.expired(
                     |d| busy.contains(&d) || used_now.contains(&d),
                     now,
                     linger_ms,
                 );
                 for d in &e {
-                    st.d.domains.remove(*d);
+                    st.durable.domains.remove(*d);
                 }
                 e
             };
@@ -334,9 +341,12 @@ impl Agent {
             let domains: Vec<(DomainId, String)> = st
                 .domains_of_gpu(gpu)
                 .into_iter()
-                .map(|d| (d, st.d.domains.tenancy(d).to_string()))
+                .map(|d| (d, st.durable.domains.tenancy(d).to_string()))
                 .collect();
-            (domains, super::jobs_by_domain(st.d.registry.tasks(), gpu))
+            (
+                domains,
+                super::jobs_by_domain(st.durable.registry.tasks(), gpu),
+            )
         };
         domains
             .into_iter()

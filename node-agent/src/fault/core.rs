@@ -88,7 +88,11 @@ impl Ctx<'_> {
 
 /// The data path: one signal in, at most one decision (or re-decision) out.
 pub fn on_signal(st: &mut State, ctx: &Ctx, gpu: u32, s: &Signal) -> Vec<Effect> {
-    let State { d, correlator, .. } = st;
+    let State {
+        durable: d,
+        correlator,
+        ..
+    } = st;
     let merged = correlator.merge(gpu, s, || {
         d.next_fault_id += 1;
         d.next_fault_id
@@ -127,9 +131,9 @@ pub fn on_signal(st: &mut State, ctx: &Ctx, gpu: u32, s: &Signal) -> Vec<Effect>
         .collect();
     let moved: Vec<_> = st.moved.iter().filter(|m| m.fault_id == ev.id).collect();
     let view: Cow<Registry> = if exited.is_empty() && moved.is_empty() {
-        Cow::Borrowed(&st.d.registry)
+        Cow::Borrowed(&st.durable.registry)
     } else {
-        let mut v = st.d.registry.clone();
+        let mut v = st.durable.registry.clone();
         for t in exited {
             v.insert_exited(t.clone());
         }
@@ -234,10 +238,17 @@ fn apply(
             } => {
                 let k = (*job_id, *step_id, *pid);
                 let line = format!("not resumed: {why}");
-                hand_to_resume_board(&mut st.d, ev, k, hit.slot_of(k), Some(why.clone()), line);
+                hand_to_resume_board(
+                    &mut st.durable,
+                    ev,
+                    k,
+                    hit.slot_of(k),
+                    Some(why.clone()),
+                    line,
+                );
             }
             Action::None { job_id, why } => push_outcome(
-                &mut st.d.outcomes,
+                &mut st.durable.outcomes,
                 *job_id,
                 format!("fault {}: no action ({why})", ev.id),
             ),
@@ -246,12 +257,12 @@ fn apply(
         }
     }
     for &job in &dec.hit {
-        let released = st.d.resume.get_job_takeover(job, ev.id).is_some();
+        let released = st.durable.resume.get_job_takeover(job, ev.id).is_some();
         let line = fault_line(ctx, ev, dec, job, released);
         annotate(st, ctx, ev, dec, job, line);
     }
     for d in watch_servers(st, ctx, ev, dec) {
-        for sb in st.d.drop_standbys(|s| s.domain == d) {
+        for sb in st.durable.drop_standbys(|s| s.domain == d) {
             effects.push(Effect::EndStandby(sb));
         }
     }
@@ -287,9 +298,10 @@ fn requeue(st: &mut State, ev: &FaultEvent, job_id: u32) {
 
 /// A hardware fault drains the node, once per GPU and class.
 fn drain(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, reason: &str) {
-    let known =
-        st.d.unhealthy
-            .insert(ev.gpu, (dec.class, reason.to_string()));
+    let known = st
+        .durable
+        .unhealthy
+        .insert(ev.gpu, (dec.class, reason.to_string()));
     // Already drained for this GPU and class: no second call (a node an admin resumed
     // meanwhile is drained again by the health check).
     if known.is_some_and(|(c, _)| c == dec.class) {
@@ -317,15 +329,15 @@ fn resume(
     k: TaskKey,
 ) -> Option<Effect> {
     let standby = (dec.culprit_job() != Some(k.0))
-        .then(|| take_armed_standby(&mut st.d, k))
+        .then(|| take_armed_standby(&mut st.durable, k))
         .flatten();
     let line = match &standby {
         Some(sb) => format!("standby pid {} released to take over", sb.pid()),
         None => "resume in place handed over".to_string(),
     };
-    hand_to_resume_board(&mut st.d, ev, k, hit.slot_of(k), None, line);
+    hand_to_resume_board(&mut st.durable, ev, k, hit.slot_of(k), None, line);
     let sb = standby?;
-    if let Some(e) = st.d.resume.get_mut(k) {
+    if let Some(e) = st.durable.resume.get_mut(k) {
         e.takeover = Some(Takeover::Releasing(sb.pid()));
     }
     Some(Effect::Release(Release {
@@ -339,12 +351,13 @@ fn resume(
 /// Slurm's restart count of the job's run the fault hit, when known: the one requeue that run
 /// gets is keyed by it.
 fn run_of(st: &State, job: u32) -> Option<u32> {
-    st.d.registry
+    st.durable
+        .registry
         .tasks()
         .chain(st.recent_exits.iter().map(|(_, t)| t))
         .filter(|t| t.job_id == job)
         .map(|t| t.restart_count)
-        .chain(st.d.running.get(&job).map(|r| r.restart_count))
+        .chain(st.durable.running.get(&job).map(|r| r.restart_count))
         .max()
 }
 
@@ -373,7 +386,11 @@ fn watch_servers(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> 
 
 fn quarantine(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job: u32, uid: u32) {
     // The wall clock of the fault: quarantine outlives agent restarts.
-    let Some(who) = st.d.domains.quarantine(ctx.policy, job, uid, ev.first_ms) else {
+    let Some(who) = st
+        .durable
+        .domains
+        .quarantine(ctx.policy, job, uid, ev.first_ms)
+    else {
         return;
     };
     tracing::warn!(
@@ -384,7 +401,7 @@ fn quarantine(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job: u32, uid: u32) {
         "culprit quarantined: placed in a domain of its own on its next run"
     );
     push_outcome(
-        &mut st.d.outcomes,
+        &mut st.durable.outcomes,
         job,
         format!(
             "fault {}: culprit; quarantined ({who:?}) for {} s: its next run gets a fault domain of its own",
@@ -463,45 +480,46 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
 
 /// Queues a Slurm action unless it (or one that covers it) is queued or done already.
 fn enqueue(st: &mut State, key: ActionKey, fault_id: u64, op: SlurmOp) {
-    if st.d.done_keys.contains(&key) || st.d.pending.iter().any(|p| p.key == key) {
+    if st.durable.done_keys.contains(&key) || st.durable.pending.iter().any(|p| p.key == key) {
         return;
     }
     // A fault storm hits the same job and node again and again: one requeue per run of a job and
     // one drain in flight per node, however many faults come (each fault still records the hit).
     let coalesced = match &op {
-        SlurmOp::Requeue { job_id, .. } => {
-            st.d.pending
-                .iter()
-                .find_map(|p| {
-                    matches!(p.op, SlurmOp::Requeue { job_id: j, .. } if j == *job_id)
-                        .then_some(p.fault_id)
-                })
-                .or_else(|| {
-                    let run = op.run_key()?;
-                    st.d.done_keys
-                        .contains(&run)
-                        .then(|| st.d.requeued.get(job_id).copied().unwrap_or(fault_id))
-                })
-        }
-        SlurmOp::Drain { .. } => {
-            st.d.pending
-                .iter()
-                .find_map(|p| matches!(p.op, SlurmOp::Drain { .. }).then_some(p.fault_id))
-        }
+        SlurmOp::Requeue { job_id, .. } => st
+            .durable
+            .pending
+            .iter()
+            .find_map(|p| {
+                matches!(p.op, SlurmOp::Requeue { job_id: j, .. } if j == *job_id)
+                    .then_some(p.fault_id)
+            })
+            .or_else(|| {
+                let run = op.run_key()?;
+                st.durable
+                    .done_keys
+                    .contains(&run)
+                    .then(|| st.durable.requeued.get(job_id).copied().unwrap_or(fault_id))
+            }),
+        SlurmOp::Drain { .. } => st
+            .durable
+            .pending
+            .iter()
+            .find_map(|p| matches!(p.op, SlurmOp::Drain { .. }).then_some(p.fault_id)),
         // Queued by `annotate`, one per job and fault.
         SlurmOp::Annotate { .. } => None,
     };
     if let Some(earlier) = coalesced {
         if let SlurmOp::Requeue { job_id, .. } = op {
             push_outcome(
-                &mut st.d.outcomes,
+                &mut st.durable.outcomes,
                 job_id,
                 format!("fault {fault_id}: requeue already under way for fault {earlier}"),
             );
         }
         return;
     }
-    st.d.pending.push(PendingAction {
+    st.durable.pending.push(PendingAction {
         key,
         not_before_ms: None,
         fault_id,
@@ -528,23 +546,28 @@ fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job_id: 
         line,
         restarts,
     };
-    if st.d.done_keys.contains(&key) {
+    if st.durable.done_keys.contains(&key) {
         return;
     }
-    if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == key) {
+    if let Some(p) = st.durable.pending.iter_mut().find(|p| p.key == key) {
         p.op = op;
         p.not_before_ms = not_before_ms;
         return;
     }
     // One line per run of a job: a storm's later faults are in its report, not in Slurm's views.
-    let queued =
-        st.d.pending
-            .iter()
-            .any(|p| matches!(p.op, SlurmOp::Annotate { job_id: j, .. } if j == job_id));
-    if queued || op.run_key().is_some_and(|k| st.d.done_keys.contains(&k)) {
+    let queued = st
+        .durable
+        .pending
+        .iter()
+        .any(|p| matches!(p.op, SlurmOp::Annotate { job_id: j, .. } if j == job_id));
+    if queued
+        || op
+            .run_key()
+            .is_some_and(|k| st.durable.done_keys.contains(&k))
+    {
         return;
     }
-    st.d.pending.push(PendingAction {
+    st.durable.pending.push(PendingAction {
         key,
         not_before_ms,
         fault_id: ev.id,

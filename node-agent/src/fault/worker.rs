@@ -55,7 +55,9 @@ impl Agent {
         let until = Instant::now() + at_most;
         while Instant::now() < until {
             let st = self.state();
-            if st.d.done_keys.contains(key) || !st.d.pending.iter().any(|p| &p.key == key) {
+            if st.durable.done_keys.contains(key)
+                || !st.durable.pending.iter().any(|p| &p.key == key)
+            {
                 return;
             }
             drop(st);

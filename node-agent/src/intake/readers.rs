@@ -39,7 +39,7 @@ pub fn spawn_kmsg_reader(
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)?;
     let boot = boot_id();
-    let saved: Option<KmsgCursor> = crate::store::persist::read(&cursor_file).ok().flatten();
+    let saved: Option<KmsgCursor> = crate::store::atomic_file::read(&cursor_file).ok().flatten();
     let resume_after = match saved {
         Some(c) if c.boot_id == boot => Some(c.seq),
         _ => {
@@ -102,7 +102,7 @@ fn kmsg_loop(
                 }
             }
             // Only NVRM records move the cursor: cheap, and enough to not replay a fault twice.
-            let _ = crate::store::persist::write_atomic(
+            let _ = crate::store::atomic_file::write_atomic(
                 &cursor_file,
                 &KmsgCursor {
                     boot_id: boot.clone(),

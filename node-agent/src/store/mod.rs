@@ -6,11 +6,12 @@
 //! - `state`: the agent's state, durable and in memory.
 //! - `registry`: the registered tasks of jobs.
 //! - `journal`: registry changes appended between full state writes.
-//! - `persist`: atomic file writes and reads.
-//! - `persister`: the thread that writes state, journal and history, and the durability waits.
+//! - `atomic_file`: atomic file writes and reads.
+//! - `persister`: what to write when (generations, group commit), the writer thread, and the
+//!   durability waits.
 
+pub mod atomic_file;
 pub mod journal;
-pub mod persist;
 pub mod persister;
 pub mod registry;
 pub mod state;

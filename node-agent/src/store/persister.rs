@@ -2,7 +2,7 @@
 //! bumps the durable generation. Registry changes alone go to the journal (cheap); anything else
 //! rewrites the state file.
 
-use crate::store::persist::{self, PersistError};
+use crate::store::atomic_file::{self, PersistError};
 use crate::store::state::State;
 use crate::sys::lock;
 use std::path::Path;
@@ -150,15 +150,15 @@ impl Persister {
             let body = {
                 let mut st = lock(state);
                 // Everything journaled so far is in memory, hence in this file.
-                st.d.journal_seq = st.next_seq - 1;
+                st.durable.journal_seq = st.next_seq - 1;
                 st.journal_pending.clear();
-                serde_json::to_vec(&st.d)
+                serde_json::to_vec(&st.durable)
             };
             body.map_err(|source| PersistError::Encode {
                 what: "state.json",
                 source,
             })
-            .and_then(|b| persist::write_atomic_bytes(&dir.join("state.json"), &b))
+            .and_then(|b| atomic_file::write_atomic_bytes(&dir.join("state.json"), &b))
             .and_then(|_| journal.reset().map_err(PersistError::Journal))
         } else {
             let entries = std::mem::take(&mut lock(state).journal_pending);
@@ -221,7 +221,7 @@ fn write_side_file(
     let body = body(&lock(state));
     if let Err(e) = body
         .map_err(|source| PersistError::Encode { what: name, source })
-        .and_then(|b| persist::write_atomic_bytes(&dir.join(name), &b))
+        .and_then(|b| atomic_file::write_atomic_bytes(&dir.join(name), &b))
     {
         // Written again with the next round.
         flag.store(true, SeqCst);

@@ -346,7 +346,7 @@ pub struct Recovering {
 }
 
 pub struct State {
-    pub d: Durable,
+    pub durable: Durable,
     pub history: VecDeque<DecisionRecord>,
     pub telemetry: TelemetryLog,
     pub correlator: Correlator,
@@ -391,7 +391,7 @@ impl State {
     pub fn domains_of_gpu(&self, gpu: u32) -> Vec<DomainId> {
         std::iter::once(DomainId::shared(gpu))
             .chain(
-                self.d
+                self.durable
                     .domains
                     .records()
                     .map(|r| r.id)

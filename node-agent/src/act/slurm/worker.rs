@@ -42,14 +42,15 @@ impl Agent {
         loop {
             let now = Instant::now();
             let now_ms = crate::sys::now_ms();
-            let ready =
-                st.d.pending
-                    .iter()
-                    .find(|p| {
-                        not_before.get(&p.key).is_none_or(|t| *t <= now)
-                            && p.not_before_ms.is_none_or(|t| t <= now_ms)
-                    })
-                    .cloned();
+            let ready = st
+                .durable
+                .pending
+                .iter()
+                .find(|p| {
+                    not_before.get(&p.key).is_none_or(|t| *t <= now)
+                        && p.not_before_ms.is_none_or(|t| t <= now_ms)
+                })
+                .cloned();
             if let Some(p) = ready {
                 return p;
             }
@@ -73,7 +74,7 @@ impl Agent {
             }
             Outcome::Retry(e) => {
                 tracing::warn!(key = %next.key, attempt = attempts, error = %e, "Slurm action failed; will retry");
-                if let Some(p) = st.d.pending.iter_mut().find(|p| p.key == next.key) {
+                if let Some(p) = st.durable.pending.iter_mut().find(|p| p.key == next.key) {
                     p.attempts = attempts;
                     p.last_error = Some(e.clone());
                 }
@@ -95,18 +96,19 @@ impl Agent {
                 restarts_before,
             } = next.op
             {
-                st.d.note_requeued(job_id, next.fault_id, restarts_before);
+                st.durable
+                    .note_requeued(job_id, next.fault_id, restarts_before);
             }
-            st.d.done_keys.extend(next.op.run_key());
+            st.durable.done_keys.extend(next.op.run_key());
             tracing::info!(key = %next.key, "{msg}");
         } else {
             tracing::error!(key = %next.key, "Slurm action failed for good: {msg}");
         }
-        st.d.pending.retain(|p| p.key != next.key);
+        st.durable.pending.retain(|p| p.key != next.key);
         not_before.remove(&next.key);
-        st.d.done_keys.push_back(next.key.clone());
-        while st.d.done_keys.len() > DONE_KEYS_KEPT {
-            st.d.done_keys.pop_front();
+        st.durable.done_keys.push_back(next.key.clone());
+        while st.durable.done_keys.len() > DONE_KEYS_KEPT {
+            st.durable.done_keys.pop_front();
         }
         let o = mpsr_proto::FaultOutcome::Slurm {
             done: ok,
@@ -114,7 +116,7 @@ impl Agent {
         };
         if let Some(j) = job {
             push_outcome(
-                &mut st.d.outcomes,
+                &mut st.durable.outcomes,
                 j,
                 format!("fault {}: {o}", next.fault_id),
             );

@@ -28,7 +28,7 @@ impl World {
         let faults = FaultConfig::default();
         World {
             st: State {
-                d: Durable::default(),
+                durable: Durable::default(),
                 history: VecDeque::new(),
                 telemetry: Default::default(),
                 correlator: Correlator::new(Duration::from_millis(faults.correlation_window_ms)),
@@ -55,7 +55,7 @@ impl World {
     /// A batch task of `job` (uid 1000) in requeue mode on gpu0's shared domain, as slurmstepd
     /// registers it in run `restarts` of the job.
     fn batch_task(&mut self, job: u32, pid: u32, restarts: u32) {
-        let n = self.st.d.note_running(job, 1000, restarts);
+        let n = self.st.durable.note_running(job, 1000, restarts);
         let t = Task {
             job_id: job,
             step_id: BATCH,
@@ -71,7 +71,7 @@ impl World {
             trusted: true,
             domains: Vec::new(),
         };
-        self.st.d.registry.register(t).unwrap();
+        self.st.durable.registry.register(t).unwrap();
     }
 
     fn at(&self, ms: u64) -> Instant {
@@ -109,7 +109,7 @@ impl World {
 
     fn requeues(&self) -> Vec<(u32, Option<u32>)> {
         self.st
-            .d
+            .durable
             .pending
             .iter()
             .filter_map(|p| match p.op {
@@ -124,20 +124,22 @@ impl World {
 
     /// What the Slurm worker records when a requeue is done.
     fn requeue_done(&mut self) {
-        let (done, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.st.d.pending)
+        let (done, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.st.durable.pending)
             .into_iter()
             .partition(|p| matches!(p.op, SlurmOp::Requeue { .. }));
-        self.st.d.pending = later;
+        self.st.durable.pending = later;
         for p in done {
             if let SlurmOp::Requeue {
                 job_id,
                 restarts_before,
             } = p.op
             {
-                self.st.d.note_requeued(job_id, p.fault_id, restarts_before);
+                self.st
+                    .durable
+                    .note_requeued(job_id, p.fault_id, restarts_before);
             }
-            self.st.d.done_keys.extend(p.op.run_key());
-            self.st.d.done_keys.push_back(p.key);
+            self.st.durable.done_keys.extend(p.op.run_key());
+            self.st.durable.done_keys.push_back(p.key);
         }
     }
 }
@@ -152,7 +154,7 @@ fn an_app_fault_no_domain_has_shown_yet_asks_the_servers_and_hits_nobody() {
             .any(|e| matches!(e, Effect::Probe(p) if p.domains.contains(&DomainId::shared(0)))),
         "{e:?}"
     );
-    assert!(w.st.d.pending.is_empty());
+    assert!(w.st.durable.pending.is_empty());
     assert!(w.st.history[0].awaiting_domain);
     // The server's log line names the domain: decided again, job 1 requeued.
     let e = w.feed(w.signal(Source::MpsLog, None, Some(0), 40));
@@ -178,7 +180,7 @@ fn a_storm_requeues_each_run_of_a_job_once() {
     }
     assert_eq!(w.requeues(), vec![(1, Some(0))]);
     assert_eq!(w.st.history.len(), 50, "each fault still recorded");
-    let coalesced = w.st.d.outcomes[&1]
+    let coalesced = w.st.durable.outcomes[&1]
         .iter()
         .filter(|l| l.contains("already under way"))
         .count();
@@ -189,8 +191,8 @@ fn a_storm_requeues_each_run_of_a_job_once() {
     assert!(w.requeues().is_empty());
     // The next run (restart 1, as the prolog says even where slurmstepd says 0) is requeued
     // when hit: once again, however often the job was requeued before.
-    w.st.d.registry.remove_job(1);
-    w.st.d.start_run(1, 1000, 1);
+    w.st.durable.registry.remove_job(1);
+    w.st.durable.start_run(1, 1000, 1);
     w.batch_task(1, 101, 0);
     w.shared_fault(70_000);
     assert_eq!(w.requeues(), vec![(1, Some(1))]);
@@ -210,14 +212,14 @@ fn a_requeued_run_that_comes_back_without_a_prolog_is_requeued_again() {
     w.shared_fault(5_000);
     assert!(w.requeues().is_empty(), "the same run: not requeued twice");
     // The epilog ends the run; the next one registers (restart 0 said) and is hit.
-    w.st.d.registry.remove_job(1);
-    w.st.d.running.remove(&1);
+    w.st.durable.registry.remove_job(1);
+    w.st.durable.running.remove(&1);
     w.batch_task(1, 101, 0);
     w.shared_fault(60_000);
     assert_eq!(w.requeues(), vec![(1, Some(1))]);
     w.requeue_done();
-    w.st.d.registry.remove_job(1);
-    w.st.d.running.remove(&1);
+    w.st.durable.registry.remove_job(1);
+    w.st.durable.running.remove(&1);
     w.batch_task(1, 103, 0);
     w.shared_fault(120_000);
     assert_eq!(w.requeues(), vec![(1, Some(2))], "and the run after that");
@@ -263,11 +265,16 @@ fn the_sole_tenant_of_a_faulting_domain_is_quarantined() {
         w.st.history[0].culprit_evidence,
         Some(mpsr_proto::CulpritEvidence::SoleTenant)
     );
-    let q: Vec<_> = w.st.d.domains.quarantined().map(|(q, _)| *q).collect();
+    let q: Vec<_> =
+        w.st.durable
+            .domains
+            .quarantined()
+            .map(|(q, _)| *q)
+            .collect();
     assert_eq!(q, vec![crate::domain::Quarantined::Job(7)]);
     // Its next run is placed apart.
     let p =
-        w.st.d
+        w.st.durable
             .domains
             .place(&w.policy, 0, 7, 1000, None, (None, None), 1_000_100)
             .unwrap();
@@ -283,7 +290,7 @@ fn an_exit_just_before_the_fault_is_a_victim_and_an_earlier_one_is_not() {
     // Job 2 failed on its own 450 ms before the fault; job 3's task died of it 100 ms before the
     // agent heard of it.
     for (job, pid, ms) in [(2, 200, 1_550), (3, 300, 1_900)] {
-        let t = w.st.d.registry.remove((job, BATCH, pid)).unwrap();
+        let t = w.st.durable.registry.remove((job, BATCH, pid)).unwrap();
         let at = w.at(ms);
         w.st.recent_exits.push_back((at, t));
     }
@@ -298,7 +305,7 @@ fn a_hardware_fault_drains_once_per_gpu_and_class() {
     w.batch_task(1, 100, 0);
     w.feed(w.signal(Source::Kmsg, Some(79), None, 0));
     let drains = |w: &World| {
-        w.st.d
+        w.st.durable
             .pending
             .iter()
             .filter(|p| matches!(p.op, SlurmOp::Drain { .. }))
@@ -318,7 +325,7 @@ fn a_signal_for_no_open_fault_without_an_xid_is_not_a_fault() {
     w.batch_task(1, 100, 0);
     let e = w.feed(w.signal(Source::ClientExit, None, None, 0));
     assert!(e.is_empty());
-    assert!(w.st.history.is_empty() && w.st.d.pending.is_empty());
+    assert!(w.st.history.is_empty() && w.st.durable.pending.is_empty());
 }
 
 impl World {
@@ -340,15 +347,15 @@ impl World {
             trusted: true,
             domains: Vec::new(),
         };
-        self.st.d.registry.register(t).unwrap();
+        self.st.durable.registry.register(t).unwrap();
         let (domain, _) = self
             .st
-            .d
+            .durable
             .domains
             .standby_domain(&self.policy, DomainId::shared(0))
             .unwrap();
         assert_eq!(domain, DomainId { gpu: 0, slot: 1 });
-        self.st.d.standbys.push(crate::store::state::Standby {
+        self.st.durable.standbys.push(crate::store::state::Standby {
             task: (job, 0, pid),
             uid: 1000,
             domain,
@@ -381,12 +388,15 @@ fn a_hit_task_with_an_armed_standby_is_released_first() {
     assert_eq!(releases[0].standby.pid(), 102);
     // The release is the first effect of the decision that made it.
     assert!(matches!(e[0], Effect::Release(_)), "{e:?}");
-    let entry = w.st.d.resume.get((1, 0, 100)).unwrap();
+    let entry = w.st.durable.resume.get((1, 0, 100)).unwrap();
     assert_eq!(
         entry.takeover,
         Some(crate::store::state::Takeover::Releasing(102))
     );
-    assert!(w.st.d.standbys.is_empty(), "a standby is released once");
+    assert!(
+        w.st.durable.standbys.is_empty(),
+        "a standby is released once"
+    );
     assert_eq!(w.requeues(), vec![(2, Some(0))]);
 }
 
@@ -398,7 +408,7 @@ fn the_culprits_standby_is_never_released() {
     let e = w.shared_fault(0);
     assert!(!e.iter().any(|x| matches!(x, Effect::Release(_))), "{e:?}");
     assert_eq!(w.st.history[0].culprit_job, Some(1));
-    assert_eq!(w.st.d.resume.get((1, 0, 100)).unwrap().takeover, None);
+    assert_eq!(w.st.durable.resume.get((1, 0, 100)).unwrap().takeover, None);
 }
 
 #[test]
@@ -414,7 +424,7 @@ fn standbys_in_a_faulted_server_are_ended() {
         "{e:?}"
     );
     assert!(!e.iter().any(|x| matches!(x, Effect::Release(_))));
-    assert!(w.st.d.standbys.is_empty());
+    assert!(w.st.durable.standbys.is_empty());
 }
 
 #[test]
@@ -428,19 +438,19 @@ fn the_servers_line_releases_the_standby_and_the_xid_keeps_the_hit_set() {
     assert_eq!(w.st.history[0].class, FaultClass::AppServer);
     // What the worker records once the standby runs: the task is in the standby's domain now.
     let sb_domain = DomainId { gpu: 0, slot: 1 };
-    w.st.d.registry.get_mut((1, 0, 100)).unwrap().domains = vec![sb_domain];
+    w.st.durable.registry.get_mut((1, 0, 100)).unwrap().domains = vec![sb_domain];
     w.st.moved.push(crate::store::state::Moved {
         fault_id: 1,
         task: (1, 0, 100),
         from: DomainId::shared(0),
     });
-    w.st.d.resume.get_mut((1, 0, 100)).unwrap().takeover =
+    w.st.durable.resume.get_mut((1, 0, 100)).unwrap().takeover =
         Some(crate::store::state::Takeover::Released(102));
     // The Xid decides the same fault again: the same two jobs were hit, nobody is its culprit,
     // and the task's takeover stands (its supervisor is not told to restart it).
     w.feed(w.signal(Source::Kmsg, Some(43), None, 20));
     assert_eq!(
-        w.st.d.resume.get((1, 0, 100)).unwrap().takeover,
+        w.st.durable.resume.get((1, 0, 100)).unwrap().takeover,
         Some(crate::store::state::Takeover::Released(102))
     );
     let r = &w.st.history[0];
@@ -460,7 +470,7 @@ fn each_run_of_a_hit_job_gets_one_settled_line_for_slurms_views() {
     w.batch_task(1, 100, 0);
     w.batch_task(2, 200, 0);
     let lines = |w: &World| -> Vec<(u32, String, Option<u64>)> {
-        w.st.d
+        w.st.durable
             .pending
             .iter()
             .filter_map(|p| match &p.op {
