@@ -3,7 +3,7 @@
 //! shared, job and user domains), a fault every few seconds in a random occupied domain, an agent
 //! restart (SIGTERM and SIGKILL in turn, never within 2 s of a fault: a fault while the agent is
 //! down is not caught up on) every ten minutes, domains made and stopped as jobs come and go.
-//! Every 30 s it samples the agent: RSS, open fds, threads, state-file, journal and history sizes,
+//! Every 30 s it samples the agent: RSS (and its anonymous part), open fds, threads, state-file, journal and history sizes,
 //! decisions kept, registered tasks, domains, pending Slurm actions (CSV). At the end it checks
 //! that no action was lost or doubled: every job completed (a hit job not requeued would fail),
 //! and each job's Slurm restart count equals the successful `scontrol requeue` calls the agent made
@@ -115,7 +115,7 @@ fn run() -> mpsr_e2e::Result<bool> {
     let mut csv = std::fs::File::create(a.out.join("soak.csv"))?;
     writeln!(
         csv,
-        "minute,rss_kib,fds,threads,state_bytes,journal_bytes,history_bytes,telemetry_bytes,decisions,tasks,domains,pending,jobs_submitted,faults"
+        "minute,rss_kib,fds,threads,state_bytes,journal_bytes,history_bytes,telemetry_bytes,decisions,tasks,domains,pending,jobs_submitted,faults,rss_anon_kib,history_decisions"
     )?;
     println!(
         "=== mpsr-soak: {} min, real Slurm, SIMULATED GPUs ===",
@@ -286,12 +286,18 @@ fn sample(
         .unwrap_or(0);
     let state = c.dir.join("n1/state");
     let s = c.agent_status("n1").ok();
+    // Decisions one `events` answer carries (bounded by the frame size), and those the history
+    // keeps on disk (bounded by faults.history).
     let decisions = match c.agent_call("n1", &Request::Events { limit: 10_000 }) {
         Ok(Response::Events { events, .. }) => events.len(),
         _ => 0,
     };
+    let kept = std::fs::read(state.join("history.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Vec<serde_json::Value>>(&b).ok())
+        .map_or(0, |v| v.len());
     let line = format!(
-        "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+        "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
         t0.elapsed().as_secs_f64() / 60.0,
         proc_field(pid, "VmRSS:"),
         fds,
@@ -306,7 +312,9 @@ fn sample(
             .map_or(0, |s| s.gpus.iter().map(|g| g.domains.len()).sum::<usize>()),
         s.as_ref().map_or(0, |s| s.pending_actions),
         jobs,
-        faults
+        faults,
+        proc_field(pid, "RssAnon:"),
+        kept
     );
     writeln!(csv, "{line}")?;
     println!("  {line}");
