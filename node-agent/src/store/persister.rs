@@ -191,6 +191,7 @@ impl Persister {
 
     /// The writer thread: persists each new generation (group commit), until the process ends.
     pub fn run(&self, state: &Mutex<State>, dir: &Path) {
+        let mut memory = crate::sys::memory::Releaser::default();
         loop {
             {
                 let mut g = lock(&self.gens);
@@ -200,6 +201,8 @@ impl Persister {
             }
             let before = lock(&self.gens).1;
             self.persist(state, dir);
+            // The state file's buffer was the largest allocation of the round.
+            memory.tick();
             if lock(&self.gens).1 == before {
                 std::thread::sleep(Duration::from_millis(200)); // write failed; back off
             }

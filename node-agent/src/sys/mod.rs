@@ -3,6 +3,7 @@
 //! knows about faults, jobs or GPUs.
 
 pub mod logging;
+pub mod memory;
 pub mod notify;
 pub mod process;
 pub mod procfs;
