@@ -9,6 +9,7 @@
 #                                                     times (default 2) in one run, and the ratio
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/sim-agent.sh
 N=${N:-1000}
 ROUNDS=${ROUNDS:-2}
 cargo build --release -q -p mpsr-agent -p mpsr-simgpu -p mpsr-keeper
@@ -19,29 +20,8 @@ NEW=$PWD/target/release
 run_one() {
   local label=$1 B=$2 T AGENT CL=()
   T=$(mktemp -d /tmp/mpsr-bench.XXXXXX)
-  cat > "$T/agent.toml" <<EOF2
-backend = "sim"
-socket = "$T/run/agent.sock"
-state_dir = "$T/state"
-run_dir = "$T/run"
-node_name = "bench"
-[log]
-target = "stderr"
-level = "warn"
-[slurm]
-scontrol = "/bin/true"
-[mps]
-quit_on_shutdown = true
-[faults]
-kmsg = false
-correlation_window_ms = 1
-history = $((N + 10))
-[sim]
-gpus = 8
-EOF2
-  "$B/mpsr-agent" --config "$T/agent.toml" 2> "$T/agent.log" &
-  AGENT=$!
-  for _ in $(seq 100); do MPSR_SOCKET=$T/run/agent.sock "$B/mpsrctl" status >/dev/null 2>&1 && break; sleep 0.05; done
+  { sim_agent_toml "$T" bench; printf 'correlation_window_ms = 1\nhistory = %d\n[sim]\ngpus = 8\n' $((N + 10)); } > "$T/agent.toml"
+  start_sim_agent "$B" "$T"
   for g in $(seq 0 7); do for _ in $(seq 48); do
     CUDA_MPS_PIPE_DIRECTORY=$T/run/gpu$g/pipe "$B/mpsr-simclient" --idle --seconds 3600 >/dev/null 2>&1 &
     CL+=($!)

@@ -9,6 +9,7 @@
 #                                                    that build and this one side by side, and the ratio
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/sim-agent.sh
 N=${N:-3000}
 cargo build --release -q -p mpsr-agent -p mpsr-simgpu -p mpsr-keeper
 NEW=$PWD/target/release
@@ -17,29 +18,9 @@ NEW=$PWD/target/release
 churn() {
   local label=$1 B=$2 T AGENT HOLD READERS=()
   T=$(mktemp -d /tmp/mpsr-benchmem.XXXXXX)
-  cat > "$T/agent.toml" <<EOF2
-backend = "sim"
-socket = "$T/run/agent.sock"
-state_dir = "$T/state"
-run_dir = "$T/run"
-node_name = "benchmem"
-[log]
-target = "stderr"
-level = "warn"
-[slurm]
-scontrol = "/bin/true"
-[mps]
-quit_on_shutdown = true
-[faults]
-kmsg = false
-[sim]
-gpus = 2
-timing = "instant"
-EOF2
-  "$B/mpsr-agent" --config "$T/agent.toml" 2> "$T/agent.log" &
-  AGENT=$!
+  { sim_agent_toml "$T" benchmem; printf '[sim]\ngpus = 2\ntiming = "instant"\n'; } > "$T/agent.toml"
+  start_sim_agent "$B" "$T"
   local ctl=("$B/mpsrctl" --socket "$T/run/agent.sock")
-  for _ in $(seq 100); do "${ctl[@]}" status >/dev/null 2>&1 && break; sleep 0.05; done
   sleep 100000 & HOLD=$!
   for c in events "--json status" "--json events"; do
     # shellcheck disable=SC2086
@@ -52,7 +33,7 @@ EOF2
     if [ $((j % 5)) -eq 0 ]; then "${ctl[@]}" sim inject --gpu $((j % 2)) --xid 43 >/dev/null; sleep 0.3; fi
     "${ctl[@]}" deregister --job "$j" --step 4294967291 --pid $HOLD --exit-status 0 >/dev/null
     "${ctl[@]}" job-end "$j" >/dev/null 2>&1 || true
-    if [ $((j % 500)) -eq 0 ]; then
+    if [ $((j % 500)) -eq 0 ] || [ "$j" -eq "$N" ]; then
       anon=$(awk '/RssAnon/{print $2}' "/proc/$AGENT/status")
       echo "$label jobs=$j anon_kib=$anon state_bytes=$(stat -c %s "$T/state/state.json")" \
         "threads=$(awk '/Threads/{print $2}' "/proc/$AGENT/status")"
