@@ -6,6 +6,11 @@
 //! `cuMemCreate`s with a POSIX-fd handle type and exports it; an MPS client imports the fd, reserves
 //! an address range, maps and enables access. The memory lives as long as the owner holds it, so it
 //! survives the client's death.
+//!
+//! The owner needs a CUDA context only while it creates, reads or writes memory ([`PrimaryContext`]
+//! is retained for that and released after): an allocation handle and its exported fd outlive the
+//! context. That matters because every context on the GPU delays the driver's report of an SM
+//! exception by ~10 ms (measured on H100/H200, tests/gpu/report_time_probe.py).
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -131,6 +136,7 @@ api! {
     init: c"cuInit" => fn(c_uint);
     device_get: c"cuDeviceGet" => fn(*mut CuDevice, c_int);
     primary_ctx_retain: c"cuDevicePrimaryCtxRetain" => fn(*mut CuContext, CuDevice);
+    primary_ctx_release: c"cuDevicePrimaryCtxRelease_v2" => fn(CuDevice);
     ctx_get_current: c"cuCtxGetCurrent" => fn(*mut CuContext);
     ctx_set_current: c"cuCtxSetCurrent" => fn(CuContext);
     ctx_synchronize: c"cuCtxSynchronize" => fn();
@@ -173,18 +179,9 @@ fn check(call: &'static str, rc: CuResult) -> Result<(), CudaError> {
     Err(CudaError::Call(call, rc, text))
 }
 
-/// A CUDA context handle that may be made current on any thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Context(CuContext);
-
-// SAFETY: a CUcontext may be made current on any thread (the driver API allows it).
-unsafe impl Send for Context {}
-// SAFETY: as above; the handle itself is never dereferenced here.
-unsafe impl Sync for Context {}
-
 /// Makes device `ordinal`'s primary context current on this thread, unless a context already is
 /// (an application that used the runtime API has one).
-pub fn ensure_context(ordinal: c_int) -> Result<Context, CudaError> {
+pub fn ensure_context(ordinal: c_int) -> Result<(), CudaError> {
     let a = api()?;
     // SAFETY: plain driver calls with valid out-pointers.
     unsafe {
@@ -192,7 +189,7 @@ pub fn ensure_context(ordinal: c_int) -> Result<Context, CudaError> {
         let mut cur: CuContext = std::ptr::null_mut();
         check("cuCtxGetCurrent", (a.ctx_get_current)(&mut cur))?;
         if !cur.is_null() {
-            return Ok(Context(cur));
+            return Ok(());
         }
         let mut dev: CuDevice = 0;
         check("cuDeviceGet", (a.device_get)(&mut dev, ordinal))?;
@@ -202,15 +199,54 @@ pub fn ensure_context(ordinal: c_int) -> Result<Context, CudaError> {
             (a.primary_ctx_retain)(&mut ctx, dev),
         )?;
         check("cuCtxSetCurrent", (a.ctx_set_current)(ctx))?;
-        Ok(Context(ctx))
+        Ok(())
     }
 }
 
-/// Makes `ctx` current on this thread (a context from [`ensure_context`], shared by threads).
-pub fn make_current(ctx: Context) -> Result<(), CudaError> {
-    let a = api()?;
-    // SAFETY: ctx is a live context handle from ensure_context.
-    check("cuCtxSetCurrent", unsafe { (a.ctx_set_current)(ctx.0) })
+/// Device `ordinal`'s primary context, retained and current on this thread for as long as this
+/// value lives. Dropping it makes the thread's previous context current again and releases the
+/// retain: when no one else holds the primary context, the driver destroys it, so a process that
+/// holds memory but no `PrimaryContext` has no context on the GPU.
+pub struct PrimaryContext {
+    dev: CuDevice,
+    prev: CuContext,
+}
+
+impl PrimaryContext {
+    pub fn retain(ordinal: c_int) -> Result<PrimaryContext, CudaError> {
+        let a = api()?;
+        // SAFETY: plain driver calls with valid out-pointers; a failed step undoes the retain.
+        unsafe {
+            check("cuInit", (a.init)(0))?;
+            let mut dev: CuDevice = 0;
+            check("cuDeviceGet", (a.device_get)(&mut dev, ordinal))?;
+            let mut prev: CuContext = std::ptr::null_mut();
+            check("cuCtxGetCurrent", (a.ctx_get_current)(&mut prev))?;
+            let mut ctx: CuContext = std::ptr::null_mut();
+            check(
+                "cuDevicePrimaryCtxRetain",
+                (a.primary_ctx_retain)(&mut ctx, dev),
+            )?;
+            if let Err(e) = check("cuCtxSetCurrent", (a.ctx_set_current)(ctx)) {
+                (a.primary_ctx_release)(dev);
+                return Err(e);
+            }
+            Ok(PrimaryContext { dev, prev })
+        }
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        if let Ok(a) = api() {
+            // SAFETY: prev was current on this thread before the retain (or NULL); dev was
+            // retained once by this value and is released once.
+            unsafe {
+                (a.ctx_set_current)(self.prev);
+                (a.primary_ctx_release)(self.dev);
+            }
+        }
+    }
 }
 
 fn prop(device: c_int) -> AllocationProp {
@@ -231,8 +267,9 @@ fn prop(device: c_int) -> AllocationProp {
     }
 }
 
-/// Rounds `bytes` up to the device's allocation granularity.
-pub fn round_up(device: c_int, bytes: u64) -> Result<u64, CudaError> {
+/// The device's allocation granularity in bytes (sizes are rounded up to a multiple of it). Call
+/// it with a context current; the answer does not change, so callers read it once.
+pub fn granularity(device: c_int) -> Result<u64, CudaError> {
     let a = api()?;
     let p = prop(device);
     let mut g: usize = 0;
@@ -240,16 +277,104 @@ pub fn round_up(device: c_int, bytes: u64) -> Result<u64, CudaError> {
     check("cuMemGetAllocationGranularity", unsafe {
         (a.granularity)(&mut g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
     })?;
-    let g = g.max(1) as u64;
-    Ok(bytes.div_ceil(g) * g)
+    Ok(g.max(1) as u64)
 }
 
-/// Physical device memory plus this process's mapping of it.
+/// Exports `handle` as a new POSIX fd (to pass to a client over SCM_RIGHTS).
+fn export(handle: CuMemHandle) -> Result<OwnedFd, CudaError> {
+    let a = api()?;
+    let mut fd: c_int = -1;
+    // SAFETY: for POSIX fds the out-parameter is an int.
+    check("cuMemExportToShareableHandle", unsafe {
+        (a.export)(
+            &mut fd as *mut c_int as *mut c_void,
+            handle,
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    // SAFETY: the driver returned a new fd that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Physical device memory this process owns, with its exported fd; no address range, so holding it
+/// needs no context. Map it (with a context current) to read or write it.
+pub struct Allocation {
+    handle: CuMemHandle,
+    bytes: u64,
+    device: c_int,
+    fd: OwnedFd,
+}
+
+// SAFETY: the handle is a plain integer owned by this value; the driver calls made through it are
+// thread-safe.
+unsafe impl Send for Allocation {}
+// SAFETY: as above; &self methods only map the handle or duplicate the fd.
+unsafe impl Sync for Allocation {}
+
+impl Allocation {
+    /// Creates `bytes` (a multiple of [`granularity`]) of device memory exportable as a POSIX fd.
+    /// Needs a context current ([`PrimaryContext`]).
+    pub fn create(device: c_int, bytes: u64) -> Result<Allocation, CudaError> {
+        let a = api()?;
+        let p = prop(device);
+        let mut handle: CuMemHandle = 0;
+        // SAFETY: valid property struct and out-pointer.
+        check("cuMemCreate", unsafe {
+            (a.mem_create)(&mut handle, bytes as usize, &p, 0)
+        })?;
+        match export(handle) {
+            Ok(fd) => Ok(Allocation {
+                handle,
+                bytes,
+                device,
+                fd,
+            }),
+            Err(e) => {
+                // SAFETY: handle was created above and is not mapped.
+                unsafe { (a.mem_release)(handle) };
+                Err(e)
+            }
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// A new fd for this memory (a duplicate of the one exported at creation: no driver call, no
+    /// context).
+    pub fn export_fd(&self) -> std::io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+
+    /// Maps the memory into this process; the mapping does not own the memory. Needs a context
+    /// current, and the mapping must be dropped while it still is.
+    pub fn map(&self) -> Result<Mapping, CudaError> {
+        Mapping::map_handle(self.handle, self.bytes, self.device, false)
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // cuMemRelease wants a context; when none can be had (the driver is gone) the memory goes
+        // with the process anyway.
+        let _ctx = PrimaryContext::retain(self.device);
+        if let Ok(a) = api() {
+            // SAFETY: handle came from cuMemCreate, is not mapped by this value, released once.
+            unsafe { (a.mem_release)(self.handle) };
+        }
+    }
+}
+
+/// This process's mapping of device memory: imported (it owns the handle) or of an
+/// [`Allocation`] (it does not).
 pub struct Mapping {
     pub handle: CuMemHandle,
     pub ptr: CuDevicePtr,
     pub bytes: u64,
     device: c_int,
+    owns_handle: bool,
 }
 
 // SAFETY: the handle and address are plain integers owned by this value; the driver calls made
@@ -257,7 +382,12 @@ pub struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    fn map_handle(handle: CuMemHandle, bytes: u64, device: c_int) -> Result<Mapping, CudaError> {
+    fn map_handle(
+        handle: CuMemHandle,
+        bytes: u64,
+        device: c_int,
+        owns_handle: bool,
+    ) -> Result<Mapping, CudaError> {
         let a = api()?;
         let size = bytes as usize;
         let mut ptr: CuDevicePtr = 0;
@@ -289,21 +419,7 @@ impl Mapping {
             ptr,
             bytes,
             device,
-        })
-    }
-
-    /// Creates `bytes` (already rounded) of device memory exportable as a POSIX fd, mapped here.
-    pub fn create(device: c_int, bytes: u64) -> Result<Mapping, CudaError> {
-        let a = api()?;
-        let p = prop(device);
-        let mut h: CuMemHandle = 0;
-        // SAFETY: valid property struct and out-pointer.
-        check("cuMemCreate", unsafe {
-            (a.mem_create)(&mut h, bytes as usize, &p, 0)
-        })?;
-        Mapping::map_handle(h, bytes, device).inspect_err(|_| {
-            // SAFETY: h was created above and is not mapped.
-            unsafe { (a.mem_release)(h) };
+            owns_handle,
         })
     }
 
@@ -320,27 +436,10 @@ impl Mapping {
                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
             )
         })?;
-        Mapping::map_handle(h, bytes, device).inspect_err(|_| {
+        Mapping::map_handle(h, bytes, device, true).inspect_err(|_| {
             // SAFETY: h was imported above and is not mapped.
             unsafe { (a.mem_release)(h) };
         })
-    }
-
-    /// A new fd for this memory (to pass to a client over SCM_RIGHTS).
-    pub fn export_fd(&self) -> Result<OwnedFd, CudaError> {
-        let a = api()?;
-        let mut fd: c_int = -1;
-        // SAFETY: for POSIX fds the out-parameter is an int.
-        check("cuMemExportToShareableHandle", unsafe {
-            (a.export)(
-                &mut fd as *mut c_int as *mut c_void,
-                self.handle,
-                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        })?;
-        // SAFETY: the driver returned a new fd that we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     pub fn zero(&self) -> Result<(), CudaError> {
@@ -391,11 +490,14 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         if let Ok(a) = api() {
-            // SAFETY: ptr/handle came from a successful map of `bytes`; each is released once.
+            // SAFETY: ptr/handle came from a successful map of `bytes`; each is released once,
+            // the handle only by the mapping that owns it.
             unsafe {
                 (a.unmap)(self.ptr, self.bytes as usize);
                 (a.address_free)(self.ptr, self.bytes as usize);
-                (a.mem_release)(self.handle);
+                if self.owns_handle {
+                    (a.mem_release)(self.handle);
+                }
             }
         }
     }
@@ -437,8 +539,12 @@ mod tests {
             skip("a GPU driver is present; this test is for GPU-less machines");
             return;
         }
-        let e = Mapping::create(0, 1 << 21).err().expect("no driver here");
+        let e = Allocation::create(0, 1 << 21)
+            .err()
+            .expect("no driver here");
         assert!(matches!(e, CudaError::NoDriver(_)), "{e}");
         assert!(ensure_context(0).is_err());
+        assert!(PrimaryContext::retain(0).is_err());
+        assert!(granularity(0).is_err());
     }
 }

@@ -14,7 +14,7 @@ pub enum MemError {
 }
 
 impl MemError {
-    /// After this error the keeper's CUDA context is unusable (a sticky error).
+    /// A sticky CUDA error: the primary context is unusable for as long as anyone retains it.
     pub fn context_lost(&self) -> bool {
         matches!(self, MemError::Cuda(e) if e.context_lost())
     }
@@ -25,6 +25,19 @@ pub trait Memory: Send {
     fn bytes(&self) -> u64;
     /// A new fd the client can import/map.
     fn export_fd(&self) -> Result<OwnedFd, MemError>;
+    /// Reads and writes for as long as the answer lives. On a GPU it holds a CUDA context and a
+    /// mapping, which cost time to set up: open it once for a run of copies (a snapshot).
+    fn access(&self) -> Result<Box<dyn Access + '_>, MemError>;
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        self.access()?.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<(), MemError> {
+        self.access()?.write(offset, buf)
+    }
+}
+
+/// Copies in and out of one allocation.
+pub trait Access {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError>;
     fn write(&self, offset: u64, buf: &[u8]) -> Result<(), MemError>;
 }
@@ -37,50 +50,51 @@ pub trait Device: Send + Sync {
     fn create(&self, bytes: u64) -> Result<Box<dyn Memory>, MemError>;
 }
 
-/// The GPU this keeper was started for (device 0 of its CUDA_VISIBLE_DEVICES).
+/// The GPU this keeper was started for (device 0 of its CUDA_VISIBLE_DEVICES). The keeper holds
+/// no CUDA context between requests: one is retained only while memory is created, read or written
+/// (each context on the GPU delays the driver's report of an SM exception by ~10 ms, which a hot
+/// standby waits for). Handing out an allocation's fd needs none.
 pub struct CudaDevice {
-    ctx: mpsr_cuda::Context,
+    granularity: u64,
 }
 
 impl CudaDevice {
     pub fn open() -> Result<CudaDevice, MemError> {
-        let ctx = mpsr_cuda::ensure_context(0)?;
-        Ok(CudaDevice { ctx })
-    }
-
-    /// Each keeper thread works in the same (primary) context.
-    fn bind(&self) -> Result<(), MemError> {
-        mpsr_cuda::make_current(self.ctx)?;
-        Ok(())
+        let _ctx = mpsr_cuda::PrimaryContext::retain(0)?;
+        // Read once: retaining a context for each rounding would cost ~150 ms per attach.
+        let granularity = mpsr_cuda::granularity(0)?;
+        Ok(CudaDevice { granularity })
     }
 }
 
-struct CudaMemory {
+struct CudaMemory(mpsr_cuda::Allocation);
+
+/// A mapping of a kept allocation with the primary context current; fields drop in order, so the
+/// memory is unmapped while the context still is current.
+struct CudaAccess {
     m: mpsr_cuda::Mapping,
-    ctx: mpsr_cuda::Context,
-}
-
-impl CudaMemory {
-    fn bind(&self) -> Result<(), MemError> {
-        mpsr_cuda::make_current(self.ctx)?;
-        Ok(())
-    }
+    _ctx: mpsr_cuda::PrimaryContext,
 }
 
 impl Memory for CudaMemory {
     fn bytes(&self) -> u64 {
-        self.m.bytes
+        self.0.bytes()
     }
     fn export_fd(&self) -> Result<OwnedFd, MemError> {
-        self.bind()?;
-        Ok(self.m.export_fd()?)
+        Ok(self.0.export_fd()?)
     }
+    fn access(&self) -> Result<Box<dyn Access + '_>, MemError> {
+        let _ctx = mpsr_cuda::PrimaryContext::retain(0)?;
+        let m = self.0.map()?;
+        Ok(Box::new(CudaAccess { m, _ctx }))
+    }
+}
+
+impl Access for CudaAccess {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
-        self.bind()?;
         Ok(self.m.read(offset, buf)?)
     }
     fn write(&self, offset: u64, buf: &[u8]) -> Result<(), MemError> {
-        self.bind()?;
         Ok(self.m.write(offset, buf)?)
     }
 }
@@ -90,15 +104,14 @@ impl Device for CudaDevice {
         MemKind::Cuda
     }
     fn round_up(&self, bytes: u64) -> Result<u64, MemError> {
-        self.bind()?;
-        Ok(mpsr_cuda::round_up(0, bytes)?)
+        Ok(bytes.div_ceil(self.granularity) * self.granularity)
     }
     fn create(&self, bytes: u64) -> Result<Box<dyn Memory>, MemError> {
-        self.bind()?;
-        let m = mpsr_cuda::Mapping::create(0, bytes)?;
+        let _ctx = mpsr_cuda::PrimaryContext::retain(0)?;
+        let a = mpsr_cuda::Allocation::create(0, bytes)?;
         // New memory is zeroed: a job never sees what an earlier user left on the GPU.
-        m.zero()?;
-        Ok(Box::new(CudaMemory { m, ctx: self.ctx }))
+        a.map()?.zero()?;
+        Ok(Box::new(CudaMemory(a)))
     }
 }
 
@@ -144,14 +157,22 @@ impl Memory for HostSimMemory {
     fn export_fd(&self) -> Result<OwnedFd, MemError> {
         Ok(self.fd.try_clone()?)
     }
+    fn access(&self) -> Result<Box<dyn Access + '_>, MemError> {
+        Ok(Box::new(HostSimAccess(std::fs::File::from(
+            self.fd.try_clone()?,
+        ))))
+    }
+}
+
+struct HostSimAccess(std::fs::File);
+
+impl Access for HostSimAccess {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
-        let f = std::fs::File::from(self.fd.try_clone()?);
-        std::os::unix::fs::FileExt::read_exact_at(&f, buf, offset)?;
+        std::os::unix::fs::FileExt::read_exact_at(&self.0, buf, offset)?;
         Ok(())
     }
     fn write(&self, offset: u64, buf: &[u8]) -> Result<(), MemError> {
-        let f = std::fs::File::from(self.fd.try_clone()?);
-        std::os::unix::fs::FileExt::write_all_at(&f, buf, offset)?;
+        std::os::unix::fs::FileExt::write_all_at(&self.0, buf, offset)?;
         Ok(())
     }
 }

@@ -33,8 +33,8 @@ impl Keeper {
     }
 
     fn check_fatal(&self, e: &MemError) {
-        // The memory is gone with the context: exit so the agent starts a fresh keeper
-        // (snapshots bring the state back).
+        // After a sticky error no one can vouch for what the keeper holds: exit so the agent
+        // starts a fresh keeper (snapshots bring the state back).
         if e.context_lost() {
             eprintln!("mpsr-keeper gpu{}: unrecoverable GPU error ({e}); exiting so a fresh keeper starts", self.gpu);
             std::process::exit(3);

@@ -94,10 +94,11 @@ impl Snapshots {
         f.write_all(&[0u8; HEADER])?;
         let mut crc = crc32fast::Hasher::new();
         let mut buf = vec![0u8; CHUNK.min(mem.bytes() as usize).max(1)];
+        let gpu = mem.access()?;
         let mut off = 0u64;
         while off < mem.bytes() {
             let n = ((mem.bytes() - off) as usize).min(buf.len());
-            mem.read(off, &mut buf[..n])?;
+            gpu.read(off, &mut buf[..n])?;
             crc.update(&buf[..n]);
             f.write_all(&buf[..n])?;
             off += n as u64;
@@ -162,11 +163,12 @@ impl Snapshots {
         // Second pass: the file is known good; copy it in.
         let mut f = std::fs::File::open(&path)?;
         f.read_exact(&mut h)?;
+        let gpu = mem.access()?;
         let mut off = 0u64;
         while off < size {
             let n = ((size - off) as usize).min(buf.len());
             f.read_exact(&mut buf[..n])?;
-            mem.write(off, &buf[..n])?;
+            gpu.write(off, &buf[..n])?;
             off += n as u64;
         }
         Ok(())

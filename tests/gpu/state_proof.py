@@ -5,7 +5,8 @@ outside MPS; job A keeps N GiB of state through libmpsr_state.so under mpsr-run;
 ACTIVE and A finds its state intact. Measured: fault -> A running again with verified state, against
 a cold restart that reloads the same state from a local file and against re-upload from host
 memory; kept-memory bandwidth against cudaMalloc; snapshot checkpoint/restore after the keeper's
-memory is lost; another user cannot get A's state.
+memory is lost; another user cannot get A's state; the keeper holds the state without a CUDA
+context.
 
     MPSR_BIN=<dir with mpsr-agent, mpsrctl, mpsr-run, mpsr-keeper, libmpsr_state.so> \\
         python3 tests/gpu/state_proof.py [GIB ...]
@@ -77,6 +78,15 @@ def main():
                 check(case, False, f"A attached and filled its state: {a.text()}")
                 continue
             say(f"  A: {ready[1]}")
+            if i == 0 and xid_mode == "trap":
+                # The keeper holds A's memory but no CUDA context: each context on the GPU delays
+                # the driver's report of an SM exception (~10 ms), which hot standbys wait for.
+                apps = sh("nvidia-smi --query-compute-apps=pid --format=csv,noheader").stdout.split()
+                kp = keeper_pid()
+                say(f"  compute processes on the GPU: {apps}; keeper pid {kp}")
+                check("keeper_no_context", kp is not None and str(kp) not in apps,
+                      f"the keeper (pid {kp}) holds {gib:g} GiB for A without a CUDA context "
+                      "(not among the GPU's compute processes)")
             b = Proc(xid_mode, 0.5, pipe, logd)
             ctl("register", "--job", job + 100, "--step", 0, "--pid", b.pid, "--gpus", 0, "--mode", "requeue")
             b.wait(30)
