@@ -183,24 +183,17 @@ fn check(call: &'static str, rc: CuResult) -> Result<(), CudaError> {
 /// (an application that used the runtime API has one).
 pub fn ensure_context(ordinal: c_int) -> Result<(), CudaError> {
     let a = api()?;
-    // SAFETY: plain driver calls with valid out-pointers.
+    let mut cur: CuContext = std::ptr::null_mut();
+    // SAFETY: plain driver calls with a valid out-pointer.
     unsafe {
         check("cuInit", (a.init)(0))?;
-        let mut cur: CuContext = std::ptr::null_mut();
         check("cuCtxGetCurrent", (a.ctx_get_current)(&mut cur))?;
-        if !cur.is_null() {
-            return Ok(());
-        }
-        let mut dev: CuDevice = 0;
-        check("cuDeviceGet", (a.device_get)(&mut dev, ordinal))?;
-        let mut ctx: CuContext = std::ptr::null_mut();
-        check(
-            "cuDevicePrimaryCtxRetain",
-            (a.primary_ctx_retain)(&mut ctx, dev),
-        )?;
-        check("cuCtxSetCurrent", (a.ctx_set_current)(ctx))?;
-        Ok(())
     }
+    if cur.is_null() {
+        // Retained and current for the rest of the process: the application computes in it.
+        std::mem::forget(PrimaryContext::retain(ordinal)?);
+    }
+    Ok(())
 }
 
 /// Device `ordinal`'s primary context, retained and current on this thread for as long as this
