@@ -230,11 +230,13 @@ impl Agent {
 
     pub fn resume_verdict(&self, key: crate::store::registry::TaskKey) -> (ResumeVerdict, String) {
         let entry = self.state().durable.resume.get(key).cloned();
-        let Some(e) = entry else {
+        let Some(e) = entry.filter(|e| !e.consumed) else {
             return (ResumeVerdict::NotHit, "no fault known for this task".into());
         };
         let done = |v: ResumeVerdict, why: String| {
-            self.state().durable.resume.remove(key);
+            if let Some(e) = self.state().durable.resume.get_mut(key) {
+                e.consumed = true;
+            }
             self.mark_dirty();
             (v, why)
         };

@@ -644,12 +644,13 @@ fn hand_to_resume_board(
     fail: Option<String>,
     line: String,
 ) {
-    // A re-decision of the same fault keeps where the task's standby takeover stands.
-    let takeover = d
+    // A re-decision of the same fault keeps where the task's standby takeover stands, and a
+    // verdict its supervisor already had.
+    let (takeover, consumed) = d
         .resume
         .get((job_id, step_id, pid))
         .filter(|e| e.fault_id == ev.id)
-        .and_then(|e| e.takeover);
+        .map_or((None, false), |e| (e.takeover, e.consumed));
     d.resume.insert(
         (job_id, step_id, pid),
         ResumeEntry {
@@ -658,6 +659,7 @@ fn hand_to_resume_board(
             slot,
             fail,
             takeover,
+            consumed,
         },
     );
     push_outcome(&mut d.outcomes, job_id, format!("fault {}: {line}", ev.id));

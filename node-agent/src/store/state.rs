@@ -26,6 +26,10 @@ pub struct ResumeEntry {
     /// restart).
     #[serde(default)]
     pub takeover: Option<Takeover>,
+    /// The task's supervisor has had its verdict. Kept (not removed) so that a re-decision of the
+    /// same fault (its Xid after the server's line) sees what was done and hands nothing out again.
+    #[serde(default)]
+    pub consumed: bool,
 }
 
 /// Where a hit task's standby release stands.
@@ -464,6 +468,7 @@ mod tests {
             slot: 1,
             fail: None,
             takeover: None,
+            consumed: false,
         };
         let mut b = ResumeBoard::default();
         b.insert((7, 0, 42), e.clone());

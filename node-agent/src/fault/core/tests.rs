@@ -502,3 +502,41 @@ fn each_run_of_a_hit_job_gets_one_settled_line_for_slurms_views() {
     }
     assert_eq!(lines(&w).len(), 2);
 }
+
+#[test]
+fn a_verdict_taken_before_the_xid_is_not_handed_out_again_and_the_line_says_took_over() {
+    let mut w = World::new();
+    w.resume_task_with_standby(1, 100);
+    w.batch_task(2, 200, 0);
+    let e = w.feed(w.signal(Source::MpsLog, None, Some(0), 0));
+    assert!(matches!(e[0], Effect::Release(_)), "{e:?}");
+    // The standby ran and its supervisor had the verdict (under load, before the Xid came).
+    let entry = w.st.durable.resume.get_mut((1, 0, 100)).unwrap();
+    entry.takeover = Some(crate::store::state::Takeover::Released(102));
+    entry.consumed = true;
+    w.feed(w.signal(Source::Kmsg, Some(43), None, 20));
+    let entry = w.st.durable.resume.get((1, 0, 100)).unwrap();
+    assert!(
+        entry.consumed,
+        "the re-decision hands the verdict out again"
+    );
+    assert_eq!(
+        entry.takeover,
+        Some(crate::store::state::Takeover::Released(102))
+    );
+    let line =
+        w.st.durable
+            .pending
+            .iter()
+            .find_map(|p| match &p.op {
+                SlurmOp::Annotate {
+                    job_id: 1, line, ..
+                } => Some(line.clone()),
+                _ => None,
+            })
+            .expect("job 1's line is queued");
+    assert!(
+        line.ends_with("victim; its hot standby took over"),
+        "{line}"
+    );
+}
