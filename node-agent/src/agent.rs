@@ -108,6 +108,7 @@ impl Agent {
                 recent_exits: VecDeque::new(),
                 moved: Vec::new(),
                 totals: Default::default(),
+                escalations: Default::default(),
                 journal_pending: Vec::new(),
                 next_seq: last_seq + 1,
             }),

@@ -197,6 +197,12 @@ pub struct MpsConfig {
     /// After a fault, hit jobs' CUDA processes still attached after this long are ended (SIGKILL) so
     /// the server can return to ACTIVE; other clients get `terminate_client`.
     pub fault_grace_ms: u64,
+    /// A domain still in FAULT this long after the fault is stuck: the escalation ladder starts
+    /// (its MPS server ended; then its control daemon ended and started again; then the domain
+    /// fenced, and the node drained when it is a GPU's shared domain).
+    pub fault_stuck_ms: u64,
+    /// Time between two rungs of the escalation ladder.
+    pub escalation_step_ms: u64,
     /// A task placed into a domain whose server is recovering from a fault waits this long at
     /// most (in its registration, before it starts) for the server to be ACTIVE again: MPS
     /// refuses a new client of a server in FAULT (CUDA error 807), which failed innocent jobs
@@ -329,6 +335,8 @@ impl Default for MpsConfig {
             command_timeout_ms: 3_000,
             health_interval_ms: 1_000,
             fault_grace_ms: 2_000,
+            fault_stuck_ms: 10_000,
+            escalation_step_ms: 5_000,
             admit_wait_ms: 1_500,
             quit_on_shutdown: false,
             isolation_default: mpsr_proto::Isolation::Shared,
@@ -501,6 +509,24 @@ impl Config {
 
     fn check_mps(&self) -> Result<(), KeyError> {
         let m = &self.mps;
+        if m.fault_stuck_ms <= m.fault_grace_ms {
+            return Err(invalid(
+                "mps.fault_stuck_ms",
+                format!(
+                    "{} ms must be longer than mps.fault_grace_ms ({} ms): the hit clients are ended first",
+                    m.fault_stuck_ms, m.fault_grace_ms
+                ),
+            ));
+        }
+        if m.escalation_step_ms < 100 {
+            return Err(invalid(
+                "mps.escalation_step_ms",
+                format!(
+                    "{} ms is too short for a step to act (at least 100)",
+                    m.escalation_step_ms
+                ),
+            ));
+        }
         if m.admit_wait_ms > 30_000 {
             return Err(invalid(
                 "mps.admit_wait_ms",

@@ -3,8 +3,8 @@
 //! replaced by a recording script here (the real-Slurm tests live in tests/ at the top level).
 
 use mpsr_proto::{
-    Client, CulpritEvidence, FaultAction, FaultClass, FaultOutcome, Mode, Registration, Request,
-    Response, ServerState, SignalSource,
+    Client, CulpritEvidence, DomainId, EscalationRung, FaultAction, FaultClass, FaultOutcome, Mode,
+    Registration, Request, Response, ServerState, SignalSource,
 };
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -174,8 +174,15 @@ impl Env {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        let events: Vec<String> = self
+            .call(&Request::Events { limit: 5 })
+            .map(|r| match r {
+                Response::Events { events, .. } => events.iter().map(|e| e.to_string()).collect(),
+                _ => Vec::new(),
+            })
+            .unwrap_or_default();
         panic!(
-            "timed out waiting for {what}; scontrol log: {:?}",
+            "timed out waiting for {what}; scontrol log: {:?}; events: {events:#?}",
             self.scontrol_log()
         );
     }
@@ -2755,4 +2762,164 @@ fn annotations(alert: &str, labels: &[(String, String)]) -> Vec<(&'static str, S
         )],
         other => panic!("no annotations known for {other}"),
     }
+}
+
+/// Sends a test-control request to the SIMULATED GPU daemon of `e` (a control daemon that hangs).
+fn sim_control(e: &Env, req: &mpsr_simgpu::SimRequest) {
+    let r = mpsr_simgpu::call(&e.path().join("run"), req, Duration::from_secs(3)).unwrap();
+    assert_eq!(r, mpsr_simgpu::SimReply::Ok, "{req:?}");
+}
+
+fn has_outcome(e: &Env, f: impl Fn(&FaultOutcome) -> bool) -> bool {
+    e.events()
+        .first()
+        .is_some_and(|r| r.outcomes.iter().any(&f))
+}
+
+const LADDER: &str = "fault_stuck_ms = 1000\nescalation_step_ms = 600\n";
+
+/// A shared server held in FAULT by a client of no job (the H100 case: a client that never goes)
+/// is stuck: the ladder's first rung ends the server, the domain is ACTIVE again and a new task
+/// can compute there. Before, it stayed in FAULT for good and every new client died of 807.
+#[test]
+fn a_server_stuck_in_fault_by_a_client_of_no_job_is_escalated_until_it_serves_again() {
+    let e = Env::with("", LADDER, "[sim]\nrecovery_ms = 100\n");
+    let busy = e.client(0, 60.0, false);
+    e.register(71, busy.id(), &[0], Mode::Requeue, true);
+    // Idle and of no job: terminate_client does not reach it and the agent never kills it.
+    let mut stranger = e.client(0, 600.0, true);
+    e.inject(0, 43, None, None);
+    e.wait_for("the server's end recorded", |e| {
+        has_outcome(e, |o| {
+            matches!(
+                o,
+                FaultOutcome::Escalated {
+                    rung: EscalationRung::EndServer,
+                    error: None,
+                    ..
+                }
+            )
+        })
+    });
+    e.wait_for("the server ACTIVE again", |e| {
+        has_outcome(e, |o| matches!(o, FaultOutcome::ServerActive { .. }))
+    });
+    let f = &e.events()[0];
+    let after = |o: &FaultOutcome| match o {
+        FaultOutcome::Escalated { after_ms, .. } => Some(*after_ms),
+        _ => None,
+    };
+    let ms = f.outcomes.iter().find_map(after).unwrap();
+    assert!(
+        (1000..3000).contains(&ms),
+        "escalated {ms} ms after the fault: {f}"
+    );
+    assert!(
+        !f.outcomes.iter().any(|o| matches!(
+            o,
+            FaultOutcome::Escalated {
+                rung: EscalationRung::RestartDaemon | EscalationRung::Fence,
+                ..
+            }
+        )),
+        "one rung was enough: {f}"
+    );
+    let mut next = e.client_raw(0);
+    assert_eq!(
+        exit_code(&mut next, Duration::from_secs(5)),
+        Some(0),
+        "a new client computes"
+    );
+    let _ = stranger.kill();
+    assert!(
+        status(&e).gpus[0].domains.iter().all(|d| !d.fenced),
+        "nothing fenced"
+    );
+}
+
+/// A control daemon that stops answering right after a fault (seen on an H100: `quit` hung 30 s)
+/// is ended and started again by the ladder's second rung; the domain then serves again.
+#[test]
+fn a_hung_control_daemon_of_a_stuck_domain_is_escalated_to_a_restart() {
+    let e = Env::with("", LADDER, "[sim]\nrecovery_ms = 100\n");
+    let busy = e.client(0, 60.0, false);
+    e.register(72, busy.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, None);
+    sim_control(
+        &e,
+        &mpsr_simgpu::SimRequest::Hang {
+            domain: DomainId::shared(0),
+            for_good: false,
+        },
+    );
+    e.wait_for("the daemon restarted", |e| {
+        has_outcome(e, |o| {
+            matches!(
+                o,
+                FaultOutcome::Escalated {
+                    rung: EscalationRung::RestartDaemon,
+                    error: None,
+                    ..
+                }
+            )
+        })
+    });
+    e.wait_for("the server ACTIVE again", |e| {
+        has_outcome(e, |o| matches!(o, FaultOutcome::ServerActive { .. }))
+    });
+    let mut next = e.client_raw(0);
+    assert_eq!(
+        exit_code(&mut next, Duration::from_secs(5)),
+        Some(0),
+        "a new client computes"
+    );
+}
+
+/// A shared domain that cannot be brought back (its daemon hangs again after every restart) is
+/// fenced: a new task there is refused with the reason instead of dying of 807, status names it,
+/// /metrics counts it, and the node is drained with an `mpsr:` reason.
+#[test]
+fn a_stuck_domain_that_cannot_be_brought_back_is_fenced_and_the_node_drained() {
+    let e = Env::with("", LADDER, "[sim]\nrecovery_ms = 100\n");
+    let busy = e.client(0, 60.0, false);
+    e.register(73, busy.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, None);
+    sim_control(
+        &e,
+        &mpsr_simgpu::SimRequest::Hang {
+            domain: DomainId::shared(0),
+            for_good: true,
+        },
+    );
+    e.wait_for("the domain fenced", |e| {
+        has_outcome(e, |o| matches!(o, FaultOutcome::DomainFenced { .. }))
+    });
+    let st = status(&e);
+    assert!(st.gpus[0].domains[0].fenced, "{:?}", st.gpus[0].domains);
+    assert!(!st.gpus[1].domains[0].fenced, "the other GPU serves on");
+    let r = e
+        .call(&Request::Register(reg(
+            74,
+            std::process::id(),
+            &[0],
+            Mode::Requeue,
+            true,
+        )))
+        .unwrap();
+    assert!(
+        matches!(
+            r,
+            Response::Error {
+                code: mpsr_proto::ErrorCode::Refused,
+                ..
+            }
+        ),
+        "a task on the fenced GPU is refused: {r:?}"
+    );
+    e.register(75, std::process::id(), &[1], Mode::Requeue, true);
+    e.wait_for("the node drained", |e| {
+        e.scontrol_log().lines().any(|l| {
+            l.contains("State=DRAIN") && l.contains("Reason=mpsr: gpu0 shared MPS server stuck")
+        })
+    });
 }

@@ -347,6 +347,54 @@ pub enum FaultOutcome {
     StandbyGone { job: u32, step: u32, standby: u32 },
     /// No domain showed an application fault: nobody was acted on.
     NoDomainShowed,
+    /// The domain stayed in FAULT past `mps.fault_stuck_ms`: one rung of the escalation ladder
+    /// was climbed, `after_ms` after the fault (`ended`: the processes it ended; `error`: why
+    /// the step failed).
+    Escalated {
+        domain: DomainId,
+        rung: EscalationRung,
+        after_ms: u64,
+        ended: Vec<u32>,
+        error: Option<String>,
+    },
+    /// Every rung climbed and the domain still not back: fenced (no task is placed there; the
+    /// node is drained when it is a GPU's shared domain).
+    DomainFenced { domain: DomainId, after_ms: u64 },
+    /// A fenced domain answers and is ACTIVE again: placed into again.
+    DomainUnfenced { domain: DomainId },
+    /// An outcome of a newer agent this build does not know.
+    #[serde(other)]
+    Other,
+}
+
+/// The escalation ladder for a server stuck in FAULT, in the order it is climbed (killing the hit
+/// clients at `mps.fault_grace_ms` comes before it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EscalationRung {
+    /// The domain's MPS server process is ended: every client of a faulted server is dead in GPU
+    /// terms already; the control daemon starts a fresh server for the next client.
+    EndServer,
+    /// The control daemon (and its servers) ended and started again in fresh directories.
+    RestartDaemon,
+    /// The domain is fenced.
+    Fence,
+}
+
+impl EscalationRung {
+    pub const ALL: [EscalationRung; 3] = [
+        EscalationRung::EndServer,
+        EscalationRung::RestartDaemon,
+        EscalationRung::Fence,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EscalationRung::EndServer => "end_server",
+            EscalationRung::RestartDaemon => "restart_daemon",
+            EscalationRung::Fence => "fence",
+        }
+    }
 }
 
 impl fmt::Display for FaultOutcome {
@@ -402,6 +450,40 @@ impl fmt::Display for FaultOutcome {
             FaultOutcome::NoDomainShowed => f.write_str(
                 "no fault domain showed the fault (no server.log fatal error, no server in FAULT): nobody was acted on",
             ),
+            FaultOutcome::Escalated {
+                domain,
+                rung,
+                after_ms,
+                ended,
+                error,
+            } => {
+                let what = match rung {
+                    EscalationRung::EndServer => "its MPS server ended",
+                    EscalationRung::RestartDaemon => "its control daemon ended and started again",
+                    EscalationRung::Fence => "fenced",
+                };
+                write!(f, "{domain} still in FAULT {after_ms} ms after the fault: {what}")?;
+                if !ended.is_empty() {
+                    write!(f, " (pids {ended:?})")?;
+                }
+                match error {
+                    Some(e) => write!(f, ": FAILED: {e}"),
+                    None => Ok(()),
+                }
+            }
+            FaultOutcome::DomainFenced { domain, after_ms } => write!(
+                f,
+                "{domain} could not be brought back {after_ms} ms after the fault: fenced (no task is placed there{})",
+                if domain.is_shared() {
+                    "; the node is drained"
+                } else {
+                    ""
+                }
+            ),
+            FaultOutcome::DomainUnfenced { domain } => {
+                write!(f, "{domain} answers and is ACTIVE again: no longer fenced")
+            }
+            FaultOutcome::Other => f.write_str("(an outcome of a newer agent)"),
         }
     }
 }

@@ -17,7 +17,7 @@ pub mod standby;
 pub use peer::{bind_world_socket, peer_cred, PeerCred};
 
 pub use client::{Client, ClientError};
-pub use fault::{step_name, FaultAction, FaultClass, FaultOutcome, SignalSource};
+pub use fault::{step_name, EscalationRung, FaultAction, FaultClass, FaultOutcome, SignalSource};
 pub use frame::{read_frame, write_frame, FrameError, MAX_FRAME};
 
 use serde::{Deserialize, Serialize};
@@ -344,6 +344,9 @@ pub struct DomainStatus {
     pub jobs: Vec<u32>,
     /// GPU memory of its server and clients, where the backend can tell.
     pub memory_bytes: Option<u64>,
+    /// Its server could not be brought back after a fault: no task is placed there.
+    #[serde(default)]
+    pub fenced: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

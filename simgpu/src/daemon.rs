@@ -42,6 +42,9 @@ struct Server {
     stop: Arc<AtomicBool>,
     thread_pct: Option<u8>,
     mem_limit: Option<u64>,
+    /// The control daemon answers nothing (`Hang`); `hang_for_good`: again after a restart.
+    hung: bool,
+    hang_for_good: bool,
 }
 
 /// Why the simulated daemon refused a request (sent to the agent as text: it is for people).
@@ -55,6 +58,9 @@ enum SimError {
     Serving { domain: DomainId, pipe_dir: PathBuf },
     #[error("domain {domain} still has {clients} clients")]
     HasClients { domain: DomainId, clients: usize },
+    /// A hung control daemon: the real one answers nothing (the agent's command times out).
+    #[error("domain {0}: control daemon not answering (simulated hang)")]
+    Hung(DomainId),
     #[error("domain {domain}: {source}")]
     Io {
         domain: DomainId,
@@ -262,7 +268,9 @@ impl SimGpus {
             SimRequest::State { domain } => self
                 .with_server(domain, |s, lost| {
                     s.tick();
-                    if lost {
+                    if s.hung {
+                        ServerState::Down
+                    } else if lost {
                         ServerState::Lost
                     } else {
                         s.state
@@ -271,7 +279,10 @@ impl SimGpus {
                 .map(SimReply::State)
                 .or(Ok(SimReply::State(ServerState::Down))),
             SimRequest::Clients { domain } => self
-                .with_server(domain, |s, _| s.clients.iter().map(|c| c.pid).collect())
+                .with_server(domain, |s, _| {
+                    (!s.hung).then(|| s.clients.iter().map(|c| c.pid).collect())
+                })
+                .and_then(|c| c.ok_or(SimError::Hung(domain)))
                 .map(SimReply::Clients),
             SimRequest::Terminate { domain, pid } => {
                 self.terminate(domain, pid).map(|_| SimReply::Ok)
@@ -283,6 +294,17 @@ impl SimGpus {
                 slot,
             } => self.inject(gpu, xid, culprit, slot).map(SimReply::Killed),
             SimRequest::Recover { gpu } => self.recover(gpu).map(|_| SimReply::Ok),
+            SimRequest::Hang { domain, for_good } => self
+                .with_server(domain, |s, _| {
+                    s.hung = true;
+                    s.hang_for_good = for_good;
+                    s.log("control.log", "control daemon hangs (simulated)");
+                })
+                .map(|_| SimReply::Ok),
+            SimRequest::KillServer { domain } => self.kill_server(domain).map(SimReply::Killed),
+            SimRequest::RestartDaemon { domain } => {
+                self.restart_daemon(domain).map(|_| SimReply::Ok)
+            }
             SimRequest::KernelLine { line } => {
                 self.emit_kmsg(line);
                 Ok(SimReply::Ok)
@@ -314,6 +336,9 @@ impl SimGpus {
     ) -> Result<(), SimError> {
         let mut g = lock(self.gpu(domain.gpu)?);
         if let Some(s) = g.servers.get(&domain.slot) {
+            if s.hung {
+                return Err(SimError::Hung(domain));
+            }
             if s.pipe_dir == pipe_dir {
                 return Ok(()); // already serving, like a control daemon that answers
             }
@@ -349,6 +374,8 @@ impl SimGpus {
             stop: stop.clone(),
             thread_pct,
             mem_limit,
+            hung: false,
+            hang_for_good: false,
         };
         server.log(
             "control.log",
@@ -384,6 +411,9 @@ impl SimGpus {
         let Some(s) = g.servers.get(&domain.slot) else {
             return Ok(()); // already stopped
         };
+        if s.hung {
+            return Err(SimError::Hung(domain));
+        }
         if !s.clients.is_empty() {
             return Err(SimError::HasClients {
                 domain,
@@ -443,6 +473,10 @@ impl SimGpus {
                 let _ = writeln!(w, "ERR 999 simulated GPU is lost (needs reset)");
                 return;
             }
+            if s.hung {
+                let _ = writeln!(w, "ERR 805 MPS control daemon not answering (simulated)");
+                return;
+            }
             if s.state == ServerState::Fault {
                 let _ = writeln!(w, "ERR 807 MPS server is not ready (simulated)");
                 return;
@@ -486,8 +520,11 @@ impl SimGpus {
     /// a sleeping simulated client never makes (measured: the server stayed in FAULT 3 s longer).
     fn terminate(&self, domain: DomainId, pid: u32) -> Result<(), SimError> {
         self.with_server(domain, |s, _| {
+            if s.hung {
+                return Err(SimError::Hung(domain));
+            }
             let Some(c) = s.clients.iter().find(|c| c.pid == pid) else {
-                return; // already gone: terminating is idempotent
+                return Ok(()); // already gone: terminating is idempotent
             };
             s.log("control.log", &format!("Cmd:terminate_client {pid}"));
             if c.busy {
@@ -497,6 +534,37 @@ impl SimGpus {
                 );
                 let _ = c.stream.shutdown(std::net::Shutdown::Write);
             }
+            Ok(())
+        })?
+    }
+
+    /// The server process is killed: every client loses it (told as a CUDA client would be, its
+    /// connection closed), nothing poisoned remains, and the next client gets a fresh server.
+    fn kill_server(&self, domain: DomainId) -> Result<Vec<u32>, SimError> {
+        self.with_server(domain, |s, _| {
+            let gone: Vec<u32> = s.clients.iter().map(|c| c.pid).collect();
+            for c in s.clients.drain(..) {
+                let _ = writeln!(&c.stream, "FAULT 999 MPS server exited [simulated]");
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            }
+            s.faulted.clear();
+            s.recover_at = None;
+            s.state = ServerState::Idle;
+            s.log(
+                "control.log",
+                &format!("Server {} exited with status 9", std::process::id()),
+            );
+            gone
+        })
+    }
+
+    /// The control daemon (hung or not) and its server are killed and the daemon started again.
+    fn restart_daemon(&self, domain: DomainId) -> Result<(), SimError> {
+        self.kill_server(domain)?;
+        self.with_server(domain, |s, _| {
+            s.hung = s.hang_for_good;
+            s.state = ServerState::Active;
+            s.log("control.log", "control daemon started again (simulated)");
         })
     }
 

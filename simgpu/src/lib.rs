@@ -124,6 +124,25 @@ pub enum SimRequest {
     Recover {
         gpu: u32,
     },
+    /// Test control: the domain's control daemon hangs, as a real one was seen to (a `quit` and
+    /// every query unanswered for > 30 s): it answers nothing about its domain from now on. With
+    /// `for_good`, a daemon started again there hangs too (the domain cannot be brought back).
+    Hang {
+        domain: DomainId,
+        #[serde(default)]
+        for_good: bool,
+    },
+    /// Escalation: the domain's server process is killed. Its clients lose their server (their
+    /// connections close); the control daemon starts a fresh server for the next client. A hung
+    /// daemon stays hung.
+    KillServer {
+        domain: DomainId,
+    },
+    /// Escalation: the domain's control daemon and server are killed and the daemon started again:
+    /// no clients, ACTIVE, answering (unless it hangs for good).
+    RestartDaemon {
+        domain: DomainId,
+    },
     /// Prints a kernel-log line as a driver would, nothing else happening: for tests of lines
     /// that lie (an isolation line claiming `contained=1` for a fault that is then cancelled).
     KernelLine {

@@ -5,9 +5,12 @@
 //! - `slurm`: requeue and drain through `scontrol`.
 //! - `recovery`: hit servers watched back to ACTIVE (hit clients ended), healed GPUs cleared,
 //!   resume verdicts.
+//! - `escalation`: a server still in FAULT past a bound: its server ended, its daemon restarted,
+//!   then the domain fenced.
 //! - `takeover`: a hit task's hot standby released, its old incarnation ended.
 //! - `keepers`: the per-GPU state keeper processes.
 
+pub mod escalation;
 pub mod keepers;
 pub mod recovery;
 pub mod slurm;

@@ -59,6 +59,7 @@ impl Agent {
                 // blocks): Down here is that, not a dead daemon.
                 ServerState::Fault | ServerState::Down if since.elapsed() > grace => {
                     self.end_hit_clients(domain, fault_id, grace);
+                    self.escalate(domain, fault_id, since);
                 }
                 ServerState::Lost | ServerState::Down | ServerState::Fault => {}
             }
@@ -144,18 +145,27 @@ impl Agent {
         let mut st = self.state();
         let hit = st.recovering.get(&domain)?.hit_jobs.clone();
         let (mut kill, mut blockers) = (Vec::new(), Vec::new());
+        let r = st.recovering.get(&domain)?;
+        let fenced_by_us: Vec<u32> = r
+            .fenced_pids
+            .iter()
+            .filter(|(p, ticks)| procfs::alive(*p, *ticks))
+            .map(|(p, _)| *p)
+            .collect();
         for pid in clients {
             let ancestry = procfs::ancestry(pid);
-            let of_hit_job = hit.iter().any(|j| {
-                st.durable
-                    .registry
-                    .task_in_ancestry(*j, &ancestry)
-                    .is_some()
-                    || st
-                        .recent_exits
-                        .iter()
-                        .any(|(_, t)| t.job_id == *j && ancestry.contains(&t.pid))
-            });
+            // One the agent ended itself (a takeover's primary) is a hit client until it is gone.
+            let of_hit_job = fenced_by_us.contains(&pid)
+                || hit.iter().any(|j| {
+                    st.durable
+                        .registry
+                        .task_in_ancestry(*j, &ancestry)
+                        .is_some()
+                        || st
+                            .recent_exits
+                            .iter()
+                            .any(|(_, t)| t.job_id == *j && ancestry.contains(&t.pid))
+                });
             if of_hit_job {
                 kill.push(pid);
             } else {

@@ -28,6 +28,14 @@ impl Agent {
         let family = procfs::alive(primary, primary_ticks)
             .then(|| procfs::descendants(primary))
             .flatten();
+        // Known by pid and start time: while they linger, they are this fault's hit clients.
+        let mut ended: Vec<(u32, Option<u64>)> = vec![(primary, primary_ticks)];
+        ended.extend(
+            family
+                .iter()
+                .flatten()
+                .map(|p| (*p, procfs::start_ticks(*p))),
+        );
         let fenced = kill_if_alive(primary, primary_ticks);
         for p in family.iter().flatten() {
             kill_if_alive(*p, None);
@@ -71,8 +79,18 @@ impl Agent {
                 Takeover::Unavailable
             });
         }
+        let gpu = r.standby.domain.gpu;
+        let hit_domain = st
+            .durable
+            .registry
+            .get(r.task)
+            .and_then(|t| t.domain_on(gpu))
+            .unwrap_or(mpsr_proto::DomainId::shared(gpu));
+        if let Some(rec) = st.recovering.get_mut(&hit_domain) {
+            rec.fenced_pids.extend(ended);
+        }
         if released {
-            st.totals.entry(r.standby.domain.gpu).or_default().takeovers += 1;
+            st.totals.entry(gpu).or_default().takeovers += 1;
             move_to_standby_domain(&mut st, &r);
         }
         crate::store::state::push_outcome(

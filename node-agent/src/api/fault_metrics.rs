@@ -50,6 +50,35 @@ pub fn render(st: &State, gpus: &[u32], node: &str, simulated: bool) -> String {
     }
     family(
         &mut out,
+        "mpsr_escalations_total",
+        "counter",
+        "Rungs of the escalation ladder climbed for servers stuck in FAULT (end_server, restart_daemon, fence)",
+    );
+    for g in gpus {
+        for rung in mpsr_proto::EscalationRung::ALL {
+            let n = st.escalations.get(&(*g, rung)).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "mpsr_escalations_total{{gpu=\"{g}\",rung=\"{}\"}} {n}",
+                rung.name()
+            );
+        }
+    }
+    family(
+        &mut out,
+        "mpsr_domain_fenced",
+        "gauge",
+        "1 while a fault domain is fenced: its MPS server could not be brought back after a fault and no task is placed there",
+    );
+    for d in st.durable.domains.fenced() {
+        let _ = writeln!(
+            out,
+            "mpsr_domain_fenced{{gpu=\"{}\",slot=\"{}\"}} 1",
+            d.gpu, d.slot
+        );
+    }
+    family(
+        &mut out,
         "mpsr_slurm_actions_pending",
         "gauge",
         "Slurm actions (requeue, drain, fault lines) queued or being retried",

@@ -65,6 +65,12 @@ fn confirmed_down(mut state: impl FnMut() -> ServerState, tries: u32, pause: Dur
 }
 
 impl Agent {
+    /// What the domain's daemon is started with (its record's owner and limits).
+    pub(crate) fn domain_spec(&self, id: DomainId) -> DomainSpec {
+        let rec = self.state().durable.domains.get(id).cloned();
+        self.spec(id, rec.as_ref())
+    }
+
     fn spec(&self, id: DomainId, rec: Option<&DomainRecord>) -> DomainSpec {
         let (pipe_dir, log_dir) = paths(&self.cfg.run_dir, id);
         let admin_pct = Some(self.cfg.mps.default_thread_pct).filter(|p| *p < 100);
@@ -105,14 +111,23 @@ impl Agent {
     /// Callers hold `domain_ops`: a domain is never started and stopped at once.
     fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
         let t0 = Instant::now();
-        self.backend.start_domain(spec)?;
-        tracing::debug!(domain = %spec.id, ms = t0.elapsed().as_millis() as u64, "fault domain daemon up");
+        let started = self.backend.start_domain(spec)?;
+        tracing::debug!(domain = %spec.id, ms = t0.elapsed().as_millis() as u64, ?started, "fault domain daemon up");
+        self.follow_logs(spec, started);
+        Ok(())
+    }
+
+    /// Follows the domain's logs: a daemon started in fresh directories writes new files, so
+    /// its tails start anew; an adopted one keeps its tails.
+    pub(crate) fn follow_logs(&self, spec: &DomainSpec, started: super::dirs::Started) {
+        if started == super::dirs::Started::Fresh {
+            self.log_tails.stop(spec.id);
+        }
         if self.cfg.faults.mps_logs {
             if let Some(tx) = self.signal_sender() {
                 self.log_tails.ensure(spec.id, &spec.log_dir, &tx);
             }
         }
-        Ok(())
     }
 
     fn stop_domain(&self, id: DomainId) {
@@ -207,8 +222,9 @@ impl Agent {
                 .iter()
                 .filter(|g| !st.durable.unhealthy.contains_key(&g.index))
                 .flat_map(|g| st.domains_of_gpu(g.index))
-                // A server recovering from a fault may not answer: it is not dead.
-                .filter(|d| !st.recovering.contains_key(d))
+                // A server recovering from a fault may not answer: it is not dead (the escalation
+                // ladder restarts it); a fenced one is retried by the ladder's own loop.
+                .filter(|d| !st.recovering.contains_key(d) && !st.durable.domains.is_fenced(*d))
                 .map(|d| (d, st.durable.domains.get(d).cloned()))
                 .collect()
         };
@@ -245,6 +261,9 @@ impl Agent {
             tick = tick.wrapping_add(1);
             if tick.is_multiple_of(WATCHDOG_EVERY) {
                 self.restart_dead_daemons(&mut down);
+            }
+            if tick.is_multiple_of(crate::act::escalation::RETRY_FENCED.as_secs() as u32) {
+                self.retry_fenced();
             }
             let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
                 let st = self.state();
@@ -336,6 +355,7 @@ impl Agent {
 
     /// Status of a GPU's domains; `own` filters jobs (and hides clients) for untrusted callers.
     pub fn domain_status(&self, gpu: u32, own: Option<&BTreeSet<u32>>) -> Vec<DomainStatus> {
+        let fenced: BTreeSet<DomainId> = self.state().durable.domains.fenced().collect();
         let (domains, jobs) = {
             let st = self.state();
             let domains: Vec<(DomainId, String)> = st
@@ -371,6 +391,7 @@ impl Agent {
                     .filter(|j| own.is_none_or(|o| o.contains(j)))
                     .collect(),
                 memory_bytes: self.backend.domain_memory(d),
+                fenced: fenced.contains(&d),
             })
             .collect()
     }

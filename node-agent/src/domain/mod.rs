@@ -11,9 +11,12 @@
 //! The price, also measured: clients of different servers are time-sliced, not concurrent, and
 //! each server takes ~66 MiB of GPU memory (README, BENCHMARKS.md).
 //!
-//! `table` decides placement (pure data, durable); `lifecycle` starts, adopts, watches and stops
+//! `dirs` makes a domain's pipe and log directories fresh for each daemon start (root's log
+//! directory: the root control daemon follows symlinks there); `table` decides placement (pure
+//! data, durable); `lifecycle` starts, adopts, watches and stops
 //! the domains' daemons for the agent; `tails` follows each domain's MPS logs.
 
+pub mod dirs;
 mod lifecycle;
 mod table;
 mod tails;

@@ -100,6 +100,10 @@ pub enum PlaceError {
     NotAllowed { asked: Isolation, allowed: String },
     #[error("gpu{gpu} already has {max} fault domains (mps.max_domains_per_gpu), all in use")]
     Full { gpu: u32, max: u32 },
+    /// Its MPS server stayed in FAULT through every escalation: a task started there would die
+    /// of CUDA error 807, so none is.
+    #[error("{domain} is fenced: its MPS server could not be brought back after a fault (see `mpsrctl status`); no task is started there")]
+    Fenced { domain: DomainId },
 }
 
 /// Where a task was placed.
@@ -122,9 +126,33 @@ pub struct DomainTable {
     domains: Vec<DomainRecord>,
     #[serde(default)]
     quarantine: Vec<(Quarantined, u64)>,
+    /// Domains whose server could not be brought back after a fault (escalation's last rung).
+    #[serde(default)]
+    fenced: Vec<DomainId>,
 }
 
 impl DomainTable {
+    pub fn fence(&mut self, id: DomainId) {
+        if !self.fenced.contains(&id) {
+            self.fenced.push(id);
+        }
+    }
+
+    /// Whether it was fenced.
+    pub fn unfence(&mut self, id: DomainId) -> bool {
+        let before = self.fenced.len();
+        self.fenced.retain(|d| *d != id);
+        self.fenced.len() != before
+    }
+
+    pub fn is_fenced(&self, id: DomainId) -> bool {
+        self.fenced.contains(&id)
+    }
+
+    pub fn fenced(&self) -> impl Iterator<Item = DomainId> + '_ {
+        self.fenced.iter().copied()
+    }
+
     pub fn records(&self) -> impl Iterator<Item = &DomainRecord> {
         self.domains.iter()
     }
@@ -217,12 +245,17 @@ impl DomainTable {
         limits: (Option<u8>, Option<u64>),
     ) -> Result<(DomainId, Option<DomainRecord>), PlaceError> {
         if tenancy == Tenancy::Shared {
-            return Ok((DomainId::shared(gpu), None));
+            let id = DomainId::shared(gpu);
+            if self.is_fenced(id) {
+                return Err(PlaceError::Fenced { domain: id });
+            }
+            return Ok((id, None));
         }
+        let fenced = &self.fenced;
         if let Some(r) = self
             .domains
             .iter_mut()
-            .find(|r| r.id.gpu == gpu && r.tenancy == tenancy)
+            .find(|r| r.id.gpu == gpu && r.tenancy == tenancy && !fenced.contains(&r.id))
         {
             r.empty_since_ms = None;
             return Ok((r.id, None));
@@ -247,11 +280,13 @@ impl DomainTable {
             self.domains.push(r.clone());
             return Ok((r.id, Some(r)));
         }
-        // Full: take over the domain that has been empty longest (its daemon keeps running).
+        // Full: take over the domain that has been empty longest (its daemon keeps running); a
+        // fenced one keeps its slot and is never taken.
+        let fenced = &self.fenced;
         let reuse = self
             .domains
             .iter_mut()
-            .filter(|r| r.id.gpu == gpu && r.empty_since_ms.is_some())
+            .filter(|r| r.id.gpu == gpu && r.empty_since_ms.is_some() && !fenced.contains(&r.id))
             .min_by_key(|r| r.empty_since_ms);
         match reuse {
             Some(r) => {
@@ -323,6 +358,10 @@ impl DomainTable {
     ) -> Vec<DomainId> {
         let mut out = Vec::new();
         for r in &mut self.domains {
+            // A fenced domain is not stopped: its slot stays taken until it answers again.
+            if self.fenced.contains(&r.id) {
+                continue;
+            }
             if in_use(r.id) {
                 r.empty_since_ms = None;
             } else {
@@ -366,6 +405,41 @@ mod tests {
             quarantine: QuarantineRule::Job,
             quarantine_ms: 1000,
         }
+    }
+
+    #[test]
+    fn a_fenced_domain_is_never_placed_into_nor_taken_over() {
+        let p = policy(3);
+        let mut t = DomainTable::default();
+        let none = (None, None);
+        let job = Some(Isolation::Job);
+        let a = t.place(&p, 0, 1, 100, job, none, 0).unwrap().id;
+        t.fence(a);
+        t.fence(DomainId::shared(0));
+        assert!(matches!(
+            t.place(&p, 0, 2, 100, None, none, 0),
+            Err(PlaceError::Fenced { .. })
+        ));
+        // The shared domain of another GPU serves on.
+        assert_eq!(
+            t.place(&p, 1, 2, 100, None, none, 0).unwrap().id,
+            DomainId::shared(1)
+        );
+        // Job 1's fenced domain is not handed out again, to it or to another job, even empty.
+        t.mark_empty(a, 0);
+        let b = t.place(&p, 0, 3, 100, job, none, 0).unwrap().id;
+        assert_ne!(b, a);
+        t.mark_empty(b, 0);
+        let c = t.place(&p, 0, 4, 100, job, none, 10).unwrap().id;
+        assert_eq!(
+            c, b,
+            "the empty unfenced one is taken over, not the fenced one"
+        );
+        assert!(
+            t.expired(|_| false, 1_000_000, 1).iter().all(|d| *d != a),
+            "never stopped"
+        );
+        assert!(t.unfence(a) && !t.is_fenced(a));
     }
 
     #[test]

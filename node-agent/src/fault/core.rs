@@ -378,6 +378,9 @@ fn watch_servers(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> 
             killed: BTreeSet::new(),
             scanned_at: None,
             blockers_reported: BTreeSet::new(),
+            fenced_pids: Vec::new(),
+            climbed: 0,
+            escalating: false,
         });
         r.hit_jobs.extend(dec.hit.iter().copied());
     }
@@ -479,6 +482,19 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
 }
 
 /// Queues a Slurm action unless it (or one that covers it) is queued or done already.
+/// Drains the node for a fault whose domain could not be brought back (escalation's fence).
+pub fn enqueue_drain(st: &mut State, node: &str, fault_id: u64, why: String) {
+    enqueue(
+        st,
+        ActionKey::Drain { fault: fault_id },
+        fault_id,
+        SlurmOp::Drain {
+            node: node.to_string(),
+            reason: format!("{} {why}", crate::act::slurm::DRAIN_PREFIX),
+        },
+    );
+}
+
 fn enqueue(st: &mut State, key: ActionKey, fault_id: u64, op: SlurmOp) {
     if st.durable.done_keys.contains(&key) || st.durable.pending.iter().any(|p| p.key == key) {
         return;

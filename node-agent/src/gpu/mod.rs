@@ -6,6 +6,7 @@ pub mod mps;
 pub mod nvml;
 pub mod sim;
 
+use crate::domain::dirs::Started;
 use crate::domain::DomainSpec;
 use crate::fault::correlate::Signal;
 use crate::intake::kernel_line::PciAddr;
@@ -61,8 +62,16 @@ pub trait GpuBackend: Send + Sync {
     fn gpus(&self) -> &[GpuInfo];
     /// Starts the GPU-wide event sources (NVML Xid events, kernel log); signals go to `tx`.
     fn start(&self, tx: Sender<Signal>) -> Result<(), BackendError>;
-    /// Starts a domain's MPS control daemon, or adopts the one already answering there.
-    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError>;
+    /// Starts a domain's MPS control daemon in fresh directories, or adopts the one already
+    /// answering there.
+    fn start_domain(&self, spec: &DomainSpec) -> Result<Started, BackendError>;
+    /// Escalation for a server stuck in FAULT: ends the domain's MPS server processes (every
+    /// client of a faulted server is dead in GPU terms already); its control daemon starts a fresh
+    /// server for the next client. Returns the pids ended.
+    fn end_server(&self, id: DomainId) -> Result<Vec<u32>, BackendError>;
+    /// Escalation for a control daemon that does not answer: ends it and its servers, then starts
+    /// it again in fresh directories.
+    fn restart_daemon(&self, spec: &DomainSpec) -> Result<(), BackendError>;
     /// Stops a domain's daemon (the agent does so only when it has no clients).
     fn stop_domain(&self, id: DomainId) -> Result<(), BackendError>;
     fn server_state(&self, id: DomainId) -> ServerState;

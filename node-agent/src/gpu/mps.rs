@@ -4,6 +4,8 @@
 use crate::sys::process::{run_bounded, RunError};
 use mpsr_proto::{DomainId, ServerState};
 use std::path::{Path, PathBuf};
+
+pub use crate::domain::dirs::Started;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -28,32 +30,25 @@ impl MpsDaemon {
         c
     }
 
-    /// Starts the daemon (`-d`), unless one already answers on this pipe dir. With `owner_uid`,
-    /// the pipe directory belongs to that uid (mode 0700): no other user's process can become a
-    /// client of this domain's server. Its log directory belongs to that uid too (0755): the
-    /// server, which runs as the client's user, writes server.log there; the agent reads it.
-    pub fn start(&self, owner_uid: Option<u32>) -> Result<(), RunError> {
+    /// Starts the daemon (`-d`) in fresh directories (`domain::dirs`), unless one already answers
+    /// on this pipe dir: that one is adopted (`Started::Adopted`). A daemon that does not answer in
+    /// time may still be there (hung): its directories are left alone and that is an error.
+    pub fn start(&self, owner_uid: Option<u32>) -> Result<Started, RunError> {
         let dir_err = |d: &Path| {
             let binary = d.display().to_string();
             move |source| RunError::Spawn { binary, source }
         };
-        for d in [&self.pipe_dir, &self.log_dir] {
-            std::fs::create_dir_all(d).map_err(dir_err(d))?;
+        match self.server_list() {
+            Ok(_) => {
+                crate::domain::dirs::harden_adopted(&self.log_dir)
+                    .map_err(dir_err(&self.log_dir))?;
+                return Ok(Started::Adopted);
+            }
+            Err(e @ RunError::Timeout { .. }) => return Err(e),
+            Err(_) => {}
         }
-        if let Some(uid) = owner_uid {
-            use std::os::unix::fs::PermissionsExt;
-            std::os::unix::fs::chown(&self.pipe_dir, Some(uid), None)
-                .map_err(dir_err(&self.pipe_dir))?;
-            std::fs::set_permissions(&self.pipe_dir, std::fs::Permissions::from_mode(0o700))
-                .map_err(dir_err(&self.pipe_dir))?;
-            std::os::unix::fs::chown(&self.log_dir, Some(uid), None)
-                .map_err(dir_err(&self.log_dir))?;
-            std::fs::set_permissions(&self.log_dir, std::fs::Permissions::from_mode(0o755))
-                .map_err(dir_err(&self.log_dir))?;
-        }
-        if self.server_list().is_ok() {
-            return Ok(());
-        }
+        crate::domain::dirs::fresh(&self.pipe_dir, &self.log_dir, owner_uid)
+            .map_err(dir_err(&self.pipe_dir))?;
         let mut c = self.command();
         c.arg("-d");
         if self.multiuser {
@@ -70,7 +65,7 @@ impl MpsDaemon {
         let deadline = Instant::now() + self.timeout;
         while Instant::now() < deadline {
             if self.server_list().is_ok() {
-                return Ok(());
+                return Ok(Started::Fresh);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -137,6 +132,22 @@ impl MpsDaemon {
                 Err(_) => ServerState::Active,
             },
         }
+    }
+
+    /// This domain's control daemon and server processes, found in /proc by program and pipe
+    /// directory (the daemon may not answer): (control daemons, servers).
+    pub fn processes(&self) -> (Vec<u32>, Vec<u32>) {
+        let find = |program: &str| {
+            crate::sys::procfs::by_program_and_env(
+                &[program],
+                "CUDA_MPS_PIPE_DIRECTORY",
+                self.pipe_dir.as_os_str(),
+            )
+        };
+        (
+            find("nvidia-cuda-mps-control"),
+            find("nvidia-cuda-mps-server"),
+        )
     }
 
     pub fn quit(&self) -> Result<(), RunError> {

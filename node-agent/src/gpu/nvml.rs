@@ -3,6 +3,7 @@
 
 use super::{BackendError, CheckFailed, CheckLine, GpuBackend, GpuInfo};
 use crate::config::Config;
+use crate::domain::dirs::Started;
 use crate::domain::DomainSpec;
 use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::gpu::mps::MpsDaemon;
@@ -211,6 +212,12 @@ impl NvmlBackend {
     }
 }
 
+/// SIGKILL; whether it was delivered.
+fn kill(pid: u32) -> bool {
+    // SAFETY: kill(2) with a constant signal; pids 0 and 1 (groups, init) are never passed.
+    pid > 1 && unsafe { libc::kill(pid as i32, libc::SIGKILL) == 0 }
+}
+
 impl GpuBackend for NvmlBackend {
     fn name(&self) -> &'static str {
         "nvml"
@@ -248,7 +255,7 @@ impl GpuBackend for NvmlBackend {
         Ok(())
     }
 
-    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
+    fn start_domain(&self, spec: &DomainSpec) -> Result<Started, BackendError> {
         let gpu = self
             .gpus
             .get(spec.id.gpu as usize)
@@ -263,14 +270,45 @@ impl GpuBackend for NvmlBackend {
             timeout: self.timeout,
         };
         let err = Self::mps(spec.id);
-        d.start(spec.owner_uid).map_err(&err)?;
+        let started = d.start(spec.owner_uid).map_err(&err)?;
         d.set_defaults(spec.thread_pct, spec.mem_limit)
             .map_err(&err)?;
         self.daemons
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(spec.id, d);
-        Ok(())
+        Ok(started)
+    }
+
+    fn end_server(&self, id: DomainId) -> Result<Vec<u32>, BackendError> {
+        let d = self.daemon(id)?;
+        // What the daemon lists, and what /proc shows (it may not answer).
+        let mut pids = d.server_list().unwrap_or_default();
+        for p in d.processes().1 {
+            if !pids.contains(&p) {
+                pids.push(p);
+            }
+        }
+        Ok(pids.into_iter().filter(|p| kill(*p)).collect())
+    }
+
+    fn restart_daemon(&self, spec: &DomainSpec) -> Result<(), BackendError> {
+        let d = self.daemon(spec.id)?;
+        let (control, servers) = d.processes();
+        for p in control.iter().chain(&servers) {
+            kill(*p);
+        }
+        // Gone within a bound, or started beside (its directories are new ones).
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while std::time::Instant::now() < deadline
+            && control
+                .iter()
+                .chain(&servers)
+                .any(|p| crate::sys::procfs::alive(*p, None))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.start_domain(spec).map(drop)
     }
 
     fn stop_domain(&self, id: DomainId) -> Result<(), BackendError> {

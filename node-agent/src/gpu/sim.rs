@@ -5,6 +5,7 @@
 //! the agent learns it only from what the hardware shows, as on a real node.
 
 use super::{BackendError, GpuBackend, GpuInfo};
+use crate::domain::dirs::Started;
 use crate::domain::DomainSpec;
 use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::intake::kernel_line::{self, PciAddr};
@@ -35,6 +36,17 @@ pub struct SimBackend {
 }
 
 impl SimBackend {
+    fn start_request(&self, spec: &DomainSpec) -> SimRequest {
+        SimRequest::StartDomain {
+            domain: spec.id,
+            pipe_dir: spec.pipe_dir.clone(),
+            log_dir: spec.log_dir.clone(),
+            owner_uid: spec.owner_uid,
+            thread_pct: spec.thread_pct,
+            mem_limit: spec.mem_limit,
+        }
+    }
+
     pub fn new(
         cfg: &crate::config::SimConfig,
         run_dir: &Path,
@@ -183,21 +195,40 @@ impl GpuBackend for SimBackend {
         Ok(())
     }
 
-    fn start_domain(&self, spec: &DomainSpec) -> Result<(), BackendError> {
-        let req = SimRequest::StartDomain {
-            domain: spec.id,
-            pipe_dir: spec.pipe_dir.clone(),
-            log_dir: spec.log_dir.clone(),
-            owner_uid: spec.owner_uid,
-            thread_pct: spec.thread_pct,
-            mem_limit: spec.mem_limit,
-        };
+    fn start_domain(&self, spec: &DomainSpec) -> Result<Started, BackendError> {
+        // A daemon that answers is adopted with its directories; else they are made fresh.
+        if self.server_state(spec.id) != ServerState::Down {
+            self.call(&self.start_request(spec))?;
+            crate::domain::dirs::harden_adopted(&spec.log_dir)?;
+            return Ok(Started::Adopted);
+        }
+        crate::domain::dirs::fresh(&spec.pipe_dir, &spec.log_dir, spec.owner_uid)?;
+        let req = self.start_request(spec);
         if self.call(&req).is_ok() {
-            return Ok(());
+            return Ok(Started::Fresh);
         }
         // The simulated GPUs' daemon died (like an MPS control daemon can): start it again.
         self.ensure_daemon()?;
-        self.call(&req).map(|_| ())
+        self.call(&req).map(|_| Started::Fresh)
+    }
+
+    fn end_server(&self, id: DomainId) -> Result<Vec<u32>, BackendError> {
+        match self.call(&SimRequest::KillServer { domain: id })? {
+            SimReply::Killed(k) => Ok(k),
+            other => Err(BackendError::Sim(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    fn restart_daemon(&self, spec: &DomainSpec) -> Result<(), BackendError> {
+        self.call(&SimRequest::RestartDaemon { domain: spec.id })?;
+        // Answering again: its directories are made fresh as for any start.
+        if self.server_state(spec.id) == ServerState::Down {
+            return Err(BackendError::Sim(format!(
+                "{} does not answer after its restart",
+                spec.id
+            )));
+        }
+        Ok(())
     }
 
     fn stop_domain(&self, id: DomainId) -> Result<(), BackendError> {

@@ -347,6 +347,13 @@ pub struct Recovering {
     pub scanned_at: Option<Instant>,
     /// Clients of no hit job that still hold the server in FAULT (reported once).
     pub blockers_reported: BTreeSet<u32>,
+    /// Processes the agent itself ended for this fault (a takeover's primary and its
+    /// descendants, by pid and start time): hit clients until they are gone, whatever job the
+    /// registry now says they belong to.
+    pub fenced_pids: Vec<(u32, Option<u64>)>,
+    /// Rungs of the escalation ladder climbed (`act::escalation`), and whether one is under way.
+    pub climbed: usize,
+    pub escalating: bool,
 }
 
 pub struct State {
@@ -366,6 +373,8 @@ pub struct State {
     /// What the agent did since it started, per GPU (Prometheus counters: they start at 0 again
     /// after a restart, which `rate()` and `increase()` handle).
     pub totals: BTreeMap<u32, FaultTotals>,
+    /// Rungs of the escalation ladder climbed since the agent started, per GPU (a counter).
+    pub escalations: BTreeMap<(u32, mpsr_proto::EscalationRung), u64>,
     /// Registry changes not yet in the journal file.
     pub journal_pending: Vec<crate::store::journal::Entry>,
     pub next_seq: u64,

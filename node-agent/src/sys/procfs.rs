@@ -80,6 +80,33 @@ pub fn under(roots: &[u32]) -> Vec<u32> {
         .collect()
 }
 
+/// Live processes whose program (the name of /proc/PID/exe) is one of `programs` and whose
+/// environment has `key=value`: the MPS daemons of one pipe directory, found without asking them
+/// (a hung control daemon answers nothing).
+pub fn by_program_and_env(programs: &[&str], key: &str, value: &std::ffi::OsStr) -> Vec<u32> {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut want = key.as_bytes().to_vec();
+    want.push(b'=');
+    want.extend_from_slice(value.as_bytes());
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            fs::read_link(format!("/proc/{p}/exe")).is_ok_and(|exe| {
+                exe.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| programs.contains(&n))
+            })
+        })
+        .filter(|p| {
+            fs::read(format!("/proc/{p}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == want.as_slice()))
+        })
+        .collect()
+}
+
 /// Whether the process holds an NVIDIA device open (it is a CUDA process: an MPS client).
 pub fn uses_gpu(pid: u32) -> bool {
     let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else {

@@ -5,3 +5,7 @@
 pub mod queue;
 pub mod scontrol;
 mod worker;
+
+/// What every reason and comment line the agent writes into Slurm starts with: a drain the agent
+/// made is told from an admin's by it.
+pub const DRAIN_PREFIX: &str = "mpsr:";

@@ -84,7 +84,9 @@ impl Scontrol {
             SlurmOp::Drain { node, reason } => {
                 // Never take over a node someone else drained: keep their reason.
                 match self.node_state(node) {
-                    Ok((state, r)) if state.contains("DRAIN") && !r.starts_with("mpsr:") => {
+                    Ok((state, r))
+                        if state.contains("DRAIN") && !r.starts_with(super::DRAIN_PREFIX) =>
+                    {
                         return Outcome::Done(format!(
                             "node {node} already drained by someone else (reason \"{r}\"); left as is"
                         ));

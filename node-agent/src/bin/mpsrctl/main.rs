@@ -399,7 +399,7 @@ fn print_status(s: &mpsr_proto::StatusReply) {
         );
         for d in &g.domains {
             println!(
-                "    domain {} ({}) server {:?} jobs {:?} clients {:?} memory {}",
+                "    domain {} ({}) server {:?} jobs {:?} clients {:?} memory {}{}",
                 d.domain,
                 d.tenancy,
                 d.state,
@@ -407,7 +407,12 @@ fn print_status(s: &mpsr_proto::StatusReply) {
                 d.clients,
                 d.memory_bytes
                     .map(|b| format!("{} MiB", b >> 20))
-                    .unwrap_or_else(|| "-".into())
+                    .unwrap_or_else(|| "-".into()),
+                if d.fenced {
+                    " FENCED: its server could not be brought back after a fault; no task is placed there"
+                } else {
+                    ""
+                }
             );
         }
     }

@@ -36,6 +36,7 @@ impl World {
                 recent_exits: VecDeque::new(),
                 moved: Vec::new(),
                 totals: Default::default(),
+                escalations: Default::default(),
                 journal_pending: Vec::new(),
                 next_seq: 1,
             },
