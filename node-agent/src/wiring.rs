@@ -3,7 +3,7 @@
 
 use crate::agent::{Agent, StartError};
 use crate::fault::classify::FaultClass;
-use crate::sys::lock;
+use crate::sys::{lock, worker};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,10 +17,12 @@ impl Agent {
         *lock(&self.probes) = Some(ptx);
         self.backend.start(tx)?;
         self.start_domains()?;
+        // A worker that panics ends the agent (systemd restarts it): none may die silently.
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            let n = name.to_string();
             std::thread::Builder::new()
                 .name(name.into())
-                .spawn(f)
+                .spawn(move || worker::guarded(&n, f, worker::exit_on_panic))
                 .map(|_| ())
                 .map_err(|source| StartError::Thread {
                     name: name.into(),

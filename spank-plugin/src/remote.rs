@@ -220,8 +220,10 @@ fn restart_count(sp: Spank) -> u32 {
         .getenv("SLURM_RESTART_COUNT")
         .ok()
         .flatten()
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .unwrap_or(0);
+        .and_then(|v| v.trim().parse::<u16>().ok())
+        .map_or(0, u32::from);
+    // The environment is the user's: Slurm keeps the count in 16 bits, so anything larger is
+    // ignored, and the agent lets the prolog's count (slurmd's) win over this one.
     item.max(env)
 }
 

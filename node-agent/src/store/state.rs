@@ -199,6 +199,23 @@ pub struct JobRun {
     pub uid: u32,
     /// Slurm's restart count of this run (0 on the first run, n after n requeues).
     pub restart_count: u32,
+    /// Said by the prolog (slurmd's own count): what a registration says then counts for
+    /// nothing, since it may come from the job's environment, which is the user's.
+    #[serde(default)]
+    pub from_prolog: bool,
+}
+
+/// Slurm keeps a job's restart count in 16 bits: a larger count did not come from Slurm.
+pub const MAX_RESTART_COUNT: u32 = u16::MAX as u32;
+
+/// A restart count as reported (a registration's may come from the job's environment): one Slurm
+/// cannot have is taken as unknown (0).
+pub fn plausible_restart_count(n: u32) -> u32 {
+    if n > MAX_RESTART_COUNT {
+        0
+    } else {
+        n
+    }
 }
 
 /// What telemetry found, kept in its own file (telemetry.json) so that the state file written on
@@ -260,14 +277,19 @@ impl Durable {
     /// Slurm says this run of the job is on this node (prolog, or slurmstepd's registration).
     /// Returns the run's restart count: the larger of what either said, since one of them may
     /// not know it (the SPANK item reads 0 in a requeued batch step on Slurm 22.05).
+    /// A registration's count may come from the job's environment (the user's): Slurm's own, the
+    /// prolog's, wins where there is one, and a count Slurm cannot have is ignored.
     pub fn note_running(&mut self, job: u32, uid: u32, restart_count: u32) -> u32 {
-        let restart_count = restart_count.max(self.next_run_of(job));
-        let run = self
-            .running
-            .entry(job)
-            .or_insert(JobRun { uid, restart_count });
+        let restart_count = plausible_restart_count(restart_count).max(self.next_run_of(job));
+        let run = self.running.entry(job).or_insert(JobRun {
+            uid,
+            restart_count,
+            from_prolog: false,
+        });
         run.uid = uid;
-        run.restart_count = run.restart_count.max(restart_count);
+        if !run.from_prolog {
+            run.restart_count = run.restart_count.max(restart_count);
+        }
         let n = run.restart_count;
         bound(&mut self.running);
         self.remember_owner(job, uid);
@@ -276,8 +298,15 @@ impl Durable {
 
     /// A new run of the job starts here (the prolog): what is known of it is this run's.
     pub fn start_run(&mut self, job: u32, uid: u32, restart_count: u32) {
-        let restart_count = restart_count.max(self.next_run_of(job));
-        self.running.insert(job, JobRun { uid, restart_count });
+        let restart_count = plausible_restart_count(restart_count).max(self.next_run_of(job));
+        self.running.insert(
+            job,
+            JobRun {
+                uid,
+                restart_count,
+                from_prolog: true,
+            },
+        );
         bound(&mut self.running);
         self.remember_owner(job, uid);
     }
@@ -288,7 +317,7 @@ impl Durable {
         bound(&mut self.requeued);
         if let Some(r) = restarts_before {
             let next = self.next_run.entry(job).or_insert(0);
-            *next = (*next).max(r + 1);
+            *next = (*next).max(r.saturating_add(1));
             bound(&mut self.next_run);
         }
     }
@@ -468,6 +497,27 @@ pub fn push_outcome(outcomes: &mut BTreeMap<u32, Vec<String>>, job: u32, line: S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forged_restart_count_neither_overflows_nor_outvotes_slurms_own() {
+        let mut d = Durable::default();
+        // No prolog record: a count Slurm cannot have (16 bits) counts as unknown.
+        assert_eq!(d.note_running(5, 1000, u32::MAX), 0);
+        d.note_requeued(5, 1, Some(u32::MAX));
+        assert_eq!(
+            d.next_run.get(&5),
+            Some(&u32::MAX),
+            "saturated, no overflow"
+        );
+        // The prolog said run 1 (slurmd's count): the job's environment cannot raise it.
+        let mut d = Durable::default();
+        d.start_run(6, 1000, 1);
+        assert_eq!(d.note_running(6, 1000, 40_000), 1);
+        // Without a prolog (its credential cached), the count the agent requeued still counts.
+        let mut d = Durable::default();
+        d.note_requeued(7, 1, Some(0));
+        assert_eq!(d.note_running(7, 1000, 0), 1);
+    }
 
     #[test]
     fn resume_board_roundtrips_and_reads_the_older_keyed_form() {
