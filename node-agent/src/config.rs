@@ -176,6 +176,9 @@ pub struct LogConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct SlurmConfig {
     pub scontrol: PathBuf,
+    /// squeue binary: a job's AdminComment is read with it (one field alone, never from the
+    /// multi-line `scontrol show job`, where a newline in a job's name forged the line).
+    pub squeue: PathBuf,
     /// Passed as SLURM_CONF to scontrol when set.
     pub slurm_conf: Option<PathBuf>,
     pub timeout_ms: u64,
@@ -317,6 +320,7 @@ impl Default for SlurmConfig {
     fn default() -> Self {
         SlurmConfig {
             scontrol: "scontrol".into(),
+            squeue: "squeue".into(),
             slurm_conf: None,
             timeout_ms: 10_000,
             max_attempts: 8,

@@ -39,10 +39,19 @@ impl Env {
         .unwrap();
         std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
+        // squeue --json: every job listed, with no AdminComment yet.
+        let squeue = d.join("squeue");
+        std::fs::write(
+            &squeue,
+            "#!/bin/sh\n[ \"$1\" = --json ] && echo \"{\\\"jobs\\\":[{\\\"job_id\\\":$3,\\\"admin_comment\\\":\\\"\\\"}]}\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&squeue, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         std::fs::write(
             d.join("agent.toml"),
             format!(
-                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n{top}[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n{mps}[faults]\nkmsg = false\n{extra}",
+                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n{top}[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nsqueue = \"{0}/squeue\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n{mps}[faults]\nkmsg = false\n{extra}",
                 d.display()
             ),
         )

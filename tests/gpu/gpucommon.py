@@ -223,6 +223,9 @@ def write_agent_config(extra=""):
     shim.write_text(f"#!/bin/sh\necho \"$@\" >> {W}/scontrol.log\n"
                     "case \"$1\" in show) echo 'NodeName=gpu-node State=IDLE JobId=0 Restarts=0';; esac\nexit 0\n")
     shim.chmod(0o755)
+    squeue = W / "squeue"
+    squeue.write_text('#!/bin/sh\n[ "$1" = --json ] && echo "{\\"jobs\\":[{\\"job_id\\":$3,\\"admin_comment\\":\\"\\"}]}"\n')
+    squeue.chmod(0o755)
     cfg = W / "agent.toml"
     cfg.write_text(f"""backend = "nvml"
 socket = "{SOCK}"
@@ -234,6 +237,7 @@ target = "stderr"
 level = "info"
 [slurm]
 scontrol = "{shim}"
+squeue = "{squeue}"
 [mps]
 fault_grace_ms = 2000
 quit_on_shutdown = false

@@ -555,6 +555,9 @@ Epilog={t}/etc/epilog.sh
     fn write_agent_config(&self, node: &str) -> Result<()> {
         let t = self.dir.display();
         // The agent (on the host) runs the Slurm root's scontrol when there is one.
+        // And its squeue (a job's AdminComment is read with it); the host's by default, so a
+        // config an earlier agent reads names no key it does not know.
+        let mut squeue = String::new();
         let scontrol = match slurm_root() {
             Some(r) => {
                 let w = self.bin.join("scontrol-in-root");
@@ -563,6 +566,13 @@ Epilog={t}/etc/epilog.sh
                     &format!("#!/bin/sh\nexec chroot {} scontrol \"$@\"\n", r.display()),
                     0o755,
                 )?;
+                let q = self.bin.join("squeue-in-root");
+                write_file(
+                    &q,
+                    &format!("#!/bin/sh\nexec chroot {} squeue \"$@\"\n", r.display()),
+                    0o755,
+                )?;
+                squeue = format!("squeue = \"{}\"\n", q.display());
                 w.display().to_string()
             }
             None => "scontrol".into(),
@@ -593,7 +603,7 @@ target = \"stderr\"
 level = \"info\"
 [slurm]
 scontrol = \"{scontrol}\"
-slurm_conf = \"{t}/etc/slurm.conf\"
+{squeue}slurm_conf = \"{t}/etc/slurm.conf\"
 timeout_ms = 5000
 [mps]
 fault_grace_ms = 1000
@@ -901,17 +911,22 @@ gpus = {}
             .unwrap_or_default()
     }
 
-    /// The job's AdminComment (the multi-line `scontrol show job` gives it a line of its own:
-    /// its value may hold spaces).
+    /// The job's AdminComment, from `squeue --json` (the multi-line `scontrol show job` can be
+    /// forged by a newline in the job's name).
     pub fn admin_comment(&self, id: u32) -> String {
-        self.cmd(&format!("scontrol show job {id}"))
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .find_map(|l| l.trim_start().strip_prefix("AdminComment="))
-                    .unwrap_or_default()
-                    .trim_end()
-                    .to_string()
+        let Ok(o) = self.cmd(&format!("squeue --json -j {id}")) else {
+            return String::new();
+        };
+        serde_json::from_slice::<serde_json::Value>(&o.stdout)
+            .ok()
+            .and_then(|v| {
+                v.get("jobs")?
+                    .as_array()?
+                    .iter()
+                    .find(|j| j.get("job_id").and_then(|i| i.as_u64()) == Some(id.into()))?
+                    .get("admin_comment")?
+                    .as_str()
+                    .map(str::to_string)
             })
             .unwrap_or_default()
     }

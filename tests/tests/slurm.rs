@@ -1497,3 +1497,49 @@ fn a_rolling_upgrade_and_a_downgrade_keep_running_jobs_protected() {
     );
     assert!(not_drained(&c, "n1"));
 }
+
+/// A job's name and work directory are the user's: with a newline and `AdminComment=` in them,
+/// the multi-line `scontrol show job` once gave the agent a forged comment, which root then wrote
+/// into the job's real AdminComment, erasing the admin's note (issue 31). Read from squeue's one
+/// field, the admin's note is kept and nothing the user wrote gets in.
+#[test]
+fn a_forged_admin_comment_in_a_jobs_name_or_workdir_never_reaches_slurm() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let forged = "w\n   AdminComment=forged by workdir";
+    let wd = c.jobs().join(forged.replace("\\n", "\n"));
+    std::fs::create_dir_all(&wd).unwrap();
+    std::fs::set_permissions(&wd, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let id = c
+        .sbatch(
+            "nobody",
+            &format!(
+                "-w n1 -J \"$(printf 'x\\n   AdminComment=forged by name')\" -D \"$(printf '{}/{forged}')\" --gres=shard:1 --mps-resilient",
+                c.jobs().display()
+            ),
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
+    let show = c.cmd(&format!("scontrol show job {id}")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&show.stdout).contains("\n   AdminComment=forged by name"),
+        "the name does forge a line in scontrol's text (else this test proves nothing)"
+    );
+    c.cmd(&format!(
+        "scontrol update JobId={id} AdminComment='site: billing 42'"
+    ))
+    .unwrap();
+    c.inject("n1", 0, 31).unwrap();
+    wait_for("the fault line", LONG, || {
+        admin_comment(&c, id).contains("mpsr: fault").then_some(())
+    })
+    .unwrap();
+    let comment = admin_comment(&c, id);
+    assert!(
+        comment.starts_with("site: billing 42 | mpsr: fault ") && !comment.contains("forged"),
+        "AdminComment: {comment}"
+    );
+}

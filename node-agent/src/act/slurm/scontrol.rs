@@ -27,7 +27,11 @@ impl Scontrol {
 
     /// (exit 0, what it printed), or why scontrol gave no answer.
     fn run(&self, args: &[&str]) -> Result<(bool, String), RunError> {
-        let mut c = Command::new(&self.cfg.scontrol);
+        self.run_tool(&self.cfg.scontrol, args)
+    }
+
+    fn run_tool(&self, tool: &std::path::Path, args: &[&str]) -> Result<(bool, String), RunError> {
+        let mut c = Command::new(tool);
         c.args(args);
         if let Some(conf) = &self.cfg.slurm_conf {
             c.env("SLURM_CONF", conf);
@@ -36,8 +40,38 @@ impl Scontrol {
             c,
             None,
             Duration::from_millis(self.cfg.timeout_ms),
-            &format!("scontrol {}", args.join(" ")),
+            &format!("{} {}", tool.display(), args.join(" ")),
         )
+    }
+
+    /// The job's AdminComment, `None` when Slurm does not list the job. Read where no field a
+    /// user chooses can stand in for it: `squeue --json` (its `admin_comment`), else
+    /// `squeue -O admin_comment` (that field alone). Never from `scontrol show job`: a job name or
+    /// work directory holding a newline and `AdminComment=` forged a line there, which root then
+    /// wrote back into the real AdminComment.
+    fn admin_comment_of(&self, job_id: u32) -> Result<Option<String>, RunError> {
+        let id = job_id.to_string();
+        if let Ok((true, out)) = self.run_tool(&self.cfg.squeue, &["--json", "-j", &id]) {
+            if let Some(c) = admin_comment_from_json(&out, job_id) {
+                return Ok(c);
+            }
+        }
+        let width = format!("admin_comment:{}", ADMIN_COMMENT_MAX * 4);
+        match self.run_tool(&self.cfg.squeue, &["-h", "-j", &id, "-O", &width])? {
+            (true, out) => Ok(Some(
+                out.trim_end_matches(['\n', ' '])
+                    .to_string()
+                    .replace("(null)", ""),
+            )),
+            // squeue fails on a job id it does not know: the full list tells gone from down.
+            (false, out) => match self.listed(&["show", "job", "-o"], "JobId", &id) {
+                Ok(false) => Ok(None),
+                _ => Err(RunError::Failed {
+                    command: format!("squeue -j {id}"),
+                    output: out,
+                }),
+            },
+        }
     }
 
     /// What scontrol printed when it exited 0; a non-zero exit is an error.
@@ -108,15 +142,9 @@ impl Scontrol {
     /// Appends `line` to the job's AdminComment, keeping what a site put there; done already
     /// when the comment holds the line (a retry after a crash adds it once).
     fn annotate(&self, job_id: u32, line: &str) -> Outcome {
-        let id = job_id.to_string();
-        let old = match self.run(&["show", "job", &id]) {
-            Ok((true, out)) => admin_comment(&out),
-            Ok((false, out)) => {
-                return match self.listed(&["show", "job", "-o"], "JobId", &id) {
-                    Ok(false) => Outcome::Permanent(format!("job {job_id} no longer exists")),
-                    _ => Outcome::Retry(out),
-                }
-            }
+        let old = match self.admin_comment_of(job_id) {
+            Ok(Some(c)) => c,
+            Ok(None) => return Outcome::Permanent(format!("job {job_id} no longer exists")),
             Err(e) => return Outcome::Retry(e.to_string()),
         };
         let new = match appended(&old, line) {
@@ -252,14 +280,23 @@ fn finished(state: &str) -> bool {
 /// a site's business, not a place for more lines).
 const ADMIN_COMMENT_MAX: usize = 1024;
 
-/// The AdminComment of a job from the multi-line `scontrol show job ID`, where it has a line of
-/// its own (its value may hold spaces); empty when unset.
-fn admin_comment(out: &str) -> String {
-    out.lines()
-        .find_map(|l| l.trim_start().strip_prefix("AdminComment="))
-        .map(|v| v.trim_end().to_string())
-        .filter(|v| v != "(null)")
-        .unwrap_or_default()
+/// `Some(comment)` of `job_id` from `squeue --json` output (`Some("")` when unset), `Some(None)`
+/// when the listing has no such job, `None` when the output is not that JSON.
+fn admin_comment_from_json(out: &str, job_id: u32) -> Option<Option<String>> {
+    let v: serde_json::Value = serde_json::from_str(out).ok()?;
+    let jobs = v.get("jobs")?.as_array()?;
+    let Some(job) = jobs
+        .iter()
+        .find(|j| j.get("job_id").and_then(|i| i.as_u64()) == Some(u64::from(job_id)))
+    else {
+        return Some(None);
+    };
+    Some(Some(
+        job.get("admin_comment")
+            .and_then(|c| c.as_str())
+            .unwrap_or("")
+            .to_string(),
+    ))
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -340,9 +377,19 @@ mod tests {
 
     #[test]
     fn a_fault_line_is_appended_to_what_the_site_put_in_the_admin_comment() {
-        let show = "JobId=7 JobName=x\n   UserId=nobody(65534)\n   AdminComment=site: billing code 42 \n   Comment=(null)\n";
-        assert_eq!(admin_comment(show), "site: billing code 42");
-        assert_eq!(admin_comment("JobId=7\n   JobState=RUNNING\n"), "");
+        // squeue --json of Slurm 22.05 (openapi v0.0.38): a name with a newline and a forged
+        // `AdminComment=` stays inside its own string.
+        let json = r#"{"meta":{},"errors":[],"jobs":[{"admin_comment":"site: billing code 42","job_id":7,"name":"x\n   AdminComment=forged by name"}]}"#;
+        assert_eq!(
+            admin_comment_from_json(json, 7),
+            Some(Some("site: billing code 42".into()))
+        );
+        assert_eq!(admin_comment_from_json(json, 8), Some(None), "not listed");
+        assert_eq!(
+            admin_comment_from_json(r#"{"jobs":[{"job_id":7}]}"#, 7),
+            Some(Some(String::new()))
+        );
+        assert_eq!(admin_comment_from_json("JobId=7 AdminComment=x", 7), None);
         assert_eq!(
             appended("site: billing code 42", "mpsr: fault 3"),
             Appended::To("site: billing code 42 | mpsr: fault 3".into())
