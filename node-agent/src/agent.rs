@@ -80,6 +80,7 @@ impl Agent {
             history,
             telemetry,
             last_seq,
+            gone,
         } = recover_state(&cfg)?;
         let journal_path = cfg.state_dir.join("registry.journal");
         let window = Duration::from_millis(cfg.faults.correlation_window_ms);
@@ -109,6 +110,7 @@ impl Agent {
                 moved: Vec::new(),
                 totals: Default::default(),
                 escalations: Default::default(),
+                down_exits: crate::store::state::DownExits::new(gone),
                 journal_pending: Vec::new(),
                 next_seq: last_seq + 1,
             }),
@@ -200,6 +202,8 @@ struct Recovered {
     history: VecDeque<DecisionRecord>,
     telemetry: crate::store::state::TelemetryLog,
     last_seq: u64,
+    /// Tasks that exited while the agent was down (a fault then may have been why).
+    gone: Vec<crate::store::registry::Task>,
 }
 
 /// Reads the state back and reconciles it with the processes alive now: tasks that exited while
@@ -252,5 +256,6 @@ fn recover_state(cfg: &Config) -> Result<Recovered, StartError> {
         history,
         telemetry,
         last_seq,
+        gone,
     })
 }

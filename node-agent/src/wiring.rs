@@ -15,6 +15,17 @@ impl Agent {
         self.set_signal_sender(tx.clone());
         let (ptx, prx) = std::sync::mpsc::channel();
         *lock(&self.probes) = Some(ptx);
+        // The kernel-log reader resumes after the record kept with the last decision made from
+        // it (what it read later and was not decided is read again).
+        if let Some(k) = self.state().durable.cursors.kmsg.clone() {
+            let file = self
+                .cfg
+                .state_dir
+                .join(crate::intake::readers::KMSG_CURSOR_FILE);
+            if let Err(e) = crate::store::atomic_file::write_atomic(&file, &k) {
+                tracing::warn!(error = %e, "kernel-log cursor not handed to its reader");
+            }
+        }
         self.backend.start(tx)?;
         self.start_domains()?;
         // A worker that panics ends the agent (systemd restarts it): none may die silently.

@@ -190,8 +190,30 @@ impl Env {
                 _ => Vec::new(),
             })
             .unwrap_or_default();
+        // The last agent's log, for the reader of a failure.
+        let mut logs: Vec<PathBuf> = std::fs::read_dir(self.path())
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        logs.retain(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("agent-"))
+        });
+        logs.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+        let log = logs
+            .last()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        let tail: String = log
+            .lines()
+            .rev()
+            .take(30)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
         panic!(
-            "timed out waiting for {what}; scontrol log: {:?}; events: {events:#?}",
+            "timed out waiting for {what}; scontrol log: {:?}; events: {events:#?}\nagent log (last lines):\n{tail}",
             self.scontrol_log()
         );
     }
@@ -2931,4 +2953,72 @@ fn a_stuck_domain_that_cannot_be_brought_back_is_fenced_and_the_node_drained() {
             l.contains("State=DRAIN") && l.contains("Reason=mpsr: gpu0 shared MPS server stuck")
         })
     });
+}
+
+/// A fault while the agent is down (an upgrade, a crash, an OOM kill) is caught up at its start:
+/// the MPS log lines written meanwhile are read from where the last decision left them, the
+/// task that died meanwhile is its victim, and its job is requeued once. Before, it was lost.
+#[test]
+fn a_fault_while_the_agent_was_down_is_decided_at_its_restart_exactly_once() {
+    let mut e = Env::new("[sim]\nrecovery_ms = 100\n");
+    let mut victim = e.client(0, 60.0, false);
+    e.register(93, victim.id(), &[0], Mode::Requeue, true);
+    e.kill_agent();
+    let r = mpsr_simgpu::call(
+        &e.path().join("run"),
+        &mpsr_simgpu::SimRequest::Inject {
+            gpu: 0,
+            xid: 43,
+            culprit: None,
+            slot: None,
+        },
+        Duration::from_secs(3),
+    )
+    .unwrap();
+    assert!(
+        matches!(r, mpsr_simgpu::SimReply::Killed(ref k) if k == &vec![victim.id()]),
+        "{r:?}"
+    );
+    assert!(
+        exit_code(&mut victim, Duration::from_secs(5)).is_some(),
+        "the victim died"
+    );
+    e.start_agent();
+    e.wait_for("the job requeued", |e| {
+        e.scontrol_log().contains("requeue 93")
+    });
+    let f = &e.events()[0];
+    assert_eq!(f.hit_jobs, vec![93], "{f}");
+    // Restarted again: nothing is decided twice.
+    e.kill_agent();
+    e.start_agent();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(e.events().len(), 1, "{:?}", e.events());
+    assert_eq!(
+        e.scontrol_log().matches("requeue 93").count(),
+        1,
+        "{}",
+        e.scontrol_log()
+    );
+}
+
+/// A fault decided before the agent stopped is not decided again from the logs it reads at its
+/// restart, and a line written before the last decision is not news.
+#[test]
+fn a_fault_decided_before_a_restart_is_not_replayed_while_the_agent_was_down() {
+    let mut e = Env::new("[sim]\nrecovery_ms = 100\n");
+    let victim = e.client(0, 60.0, false);
+    e.register(94, victim.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, None);
+    e.wait_for("the job requeued", |e| {
+        e.scontrol_log().contains("requeue 94")
+    });
+    e.wait_for("the server ACTIVE again", |e| {
+        has_outcome(e, |o| matches!(o, FaultOutcome::ServerActive { .. }))
+    });
+    e.kill_agent();
+    e.start_agent();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(e.events().len(), 1, "{:?}", e.events());
+    assert_eq!(e.scontrol_log().matches("requeue 94").count(), 1);
 }

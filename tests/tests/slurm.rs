@@ -1543,3 +1543,42 @@ fn a_forged_admin_comment_in_a_jobs_name_or_workdir_never_reaches_slurm() {
         "AdminComment: {comment}"
     );
 }
+
+/// A fault while the agent is down (SIGKILLed 10 ms after the fault, started again at once): the
+/// hit job is requeued once all the same, completes on its second run, and its report names the
+/// fault (issue 31: it was lost, Restarts 0, "hit by 0 fault(s)").
+#[test]
+fn a_job_hit_while_the_agent_was_down_is_requeued_once_it_is_back() {
+    let Some((_g, mut c)) = cluster(Options::default()) else {
+        return;
+    };
+    let id = protected_batch_job(&c, 120);
+    // The simulated driver reports an Xid 31 ~100 ms after it (as measured): the agent is gone
+    // before the first line of it.
+    c.inject("n1", 0, 31).unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+    c.stop_agent("n1", true);
+    std::thread::sleep(Duration::from_millis(500));
+    c.start_agent("n1").unwrap();
+    wait_for("the requeue", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    assert_eq!(c.job_field(id, "Restarts"), "1", "requeued exactly once");
+    let report = match c
+        .agent_call("n1", &Request::JobReport { job_id: id })
+        .unwrap()
+    {
+        Response::JobReport(r) => r,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(report.faults.len(), 1, "{report:?}");
+    assert!(report.faults[0].hit_jobs.contains(&id), "{report:?}");
+    assert!(
+        admin_comment(&c, id).contains("mpsr: fault"),
+        "{}",
+        admin_comment(&c, id)
+    );
+    assert!(not_drained(&c, "n1"));
+}

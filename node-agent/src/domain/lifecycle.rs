@@ -6,6 +6,7 @@ use super::{paths, DomainRecord, DomainSpec, PlaceError};
 use crate::agent::Agent;
 use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::gpu::BackendError;
+use crate::intake::readers::LogCursor;
 use crate::sys::lock;
 use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
 use std::collections::BTreeSet;
@@ -119,19 +120,56 @@ impl Agent {
 
     /// Follows the domain's logs: a daemon started in fresh directories writes new files, so
     /// its tails start anew; an adopted one keeps its tails.
+    ///
+    /// Each tail starts at the position kept with the decisions (an adopted daemon: lines written
+    /// while the agent was down are read then), else at the file's end now, which is kept as the
+    /// position from then on: a fault written after it is read after a restart, however soon.
     pub(crate) fn follow_logs(&self, spec: &DomainSpec, started: super::dirs::Started) {
         if started == super::dirs::Started::Fresh {
             self.log_tails.stop(spec.id);
         }
-        if self.cfg.faults.mps_logs {
-            if let Some(tx) = self.signal_sender() {
-                self.log_tails.ensure(spec.id, &spec.log_dir, &tx);
-            }
+        if !self.cfg.faults.mps_logs {
+            return;
         }
+        let Some(tx) = self.signal_sender() else {
+            return;
+        };
+        let from: std::collections::BTreeMap<std::path::PathBuf, LogCursor> = {
+            let mut st = self.state();
+            let cursors = &mut st.durable.cursors;
+            if started == super::dirs::Started::Fresh {
+                cursors.forget_dir(&spec.log_dir);
+            }
+            super::tails::LOGS
+                .iter()
+                .map(|name| {
+                    let path = spec.log_dir.join(name);
+                    let kept = cursors.logs.get(&path).copied();
+                    let now = crate::intake::readers::log_position(&path);
+                    let at = match (kept, now) {
+                        (Some(k), Some(n)) if k.ino == n.ino && k.offset <= n.offset => k,
+                        // Made (or replaced) since the position was kept: all of it is news.
+                        (Some(_), Some(n)) => LogCursor {
+                            ino: n.ino,
+                            offset: 0,
+                        },
+                        (None, Some(n)) => n,
+                        (_, None) => LogCursor::default(),
+                    };
+                    cursors.logs.insert(path.clone(), at);
+                    (path, at)
+                })
+                .collect()
+        };
+        self.mark_dirty();
+        self.log_tails
+            .ensure(spec.id, &spec.log_dir, |p| from.get(p).copied(), &tx);
     }
 
     fn stop_domain(&self, id: DomainId) {
         self.log_tails.stop(id);
+        let (_, log_dir) = paths(&self.cfg.run_dir, id);
+        self.state().durable.cursors.forget_dir(&log_dir);
         match self.backend.stop_domain(id) {
             Ok(()) => tracing::info!(domain = %id, "empty fault domain stopped"),
             Err(e) => tracing::warn!(domain = %id, error = %e, "stopping fault domain failed"),

@@ -4,12 +4,16 @@
 //! at the end of the file, so replacing one would lose any line written in between.
 
 use crate::fault::correlate::Signal;
+use crate::intake::readers::LogCursor;
 use mpsr_proto::DomainId;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
+
+/// The logs of a domain that are tailed.
+pub const LOGS: [&str; 2] = ["server.log", "control.log"];
 
 #[derive(Default)]
 pub struct LogTails {
@@ -18,8 +22,15 @@ pub struct LogTails {
 }
 
 impl LogTails {
-    /// Tails the logs in `log_dir` for `id` unless they are tailed already; whether it started.
-    pub fn ensure(&self, id: DomainId, log_dir: &Path, tx: &Sender<Signal>) -> bool {
+    /// Tails the logs in `log_dir` for `id` unless they are tailed already, each from the
+    /// position `from` gives (else its end); whether it started.
+    pub fn ensure(
+        &self,
+        id: DomainId,
+        log_dir: &Path,
+        from: impl Fn(&Path) -> Option<LogCursor>,
+        tx: &Sender<Signal>,
+    ) -> bool {
         let stop = Arc::new(AtomicBool::new(false));
         {
             let mut tails = crate::sys::lock(&self.tails);
@@ -28,10 +39,12 @@ impl LogTails {
             }
             tails.insert(id, stop.clone());
         }
-        for name in ["server.log", "control.log"] {
+        for name in LOGS {
+            let path = log_dir.join(name);
             crate::intake::readers::spawn_log_tail(
                 id,
-                log_dir.join(name),
+                path.clone(),
+                from(&path),
                 tx.clone(),
                 stop.clone(),
             );
@@ -61,7 +74,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let tails = LogTails::default();
         let d = DomainId { gpu: 0, slot: 2 };
-        assert!(tails.ensure(d, dir.path(), &tx));
+        assert!(tails.ensure(d, dir.path(), |_| None, &tx));
         std::thread::sleep(Duration::from_millis(100));
         // A fatal line lands just as the watchdog starts the daemon again.
         let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
@@ -70,7 +83,10 @@ mod tests {
             "[2026-12-04 10:00:00.000 Server 9] Server is handling a fatal GPU error."
         )
         .unwrap();
-        assert!(!tails.ensure(d, dir.path(), &tx), "kept, not replaced");
+        assert!(
+            !tails.ensure(d, dir.path(), |_| None, &tx),
+            "kept, not replaced"
+        );
         let s = rx
             .recv_timeout(Duration::from_secs(3))
             .expect("the line is seen");
@@ -81,7 +97,7 @@ mod tests {
         );
         // Stopped, then started for a new tenant: tails again.
         tails.stop(d);
-        assert!(tails.ensure(d, dir.path(), &tx));
+        assert!(tails.ensure(d, dir.path(), |_| None, &tx));
         tails.stop(d);
     }
 }

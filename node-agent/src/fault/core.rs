@@ -123,12 +123,17 @@ pub fn on_signal(st: &mut State, ctx: &Ctx, gpu: u32, s: &Signal) -> Vec<Effect>
     // this fault back where the fault found them. Copied only when there are such tasks.
     let open = |id: u64| st.correlator.get(id).is_some();
     st.moved.retain(|m| open(m.fault_id));
-    let exited: Vec<&Task> = st
+    let mut exited: Vec<&Task> = st
         .recent_exits
         .iter()
         .filter(|(at, t)| ctx.exit_may_be_victim(*at, ev.first) && t.gpus.contains(&ev.gpu))
         .map(|(_, t)| t)
         .collect();
+    // A fault that happened while the agent was down (its evidence read back after the
+    // restart): the tasks that exited meanwhile were its clients, as they were then.
+    if ev.replayed {
+        exited.extend(st.down_exits.on_gpu(ev.gpu, ctx.now));
+    }
     let moved: Vec<_> = st.moved.iter().filter(|m| m.fault_id == ev.id).collect();
     let view: Cow<Registry> = if exited.is_empty() && moved.is_empty() {
         Cow::Borrowed(&st.durable.registry)

@@ -30,6 +30,12 @@ pub struct Signal {
     pub detail: String,
     pub at: Instant,
     pub at_ms: u64,
+    /// Read after an agent restart, about what happened while the agent was down (a kernel
+    /// record or MPS log line older than the reader): tasks that exited meanwhile are its victims.
+    pub replayed: bool,
+    /// The reader's position just past this signal: kept with the decision, so a restarted agent
+    /// reads on from there (nothing decided twice, nothing lost).
+    pub cursor: Option<crate::intake::readers::Cursor>,
 }
 
 impl Signal {
@@ -45,6 +51,8 @@ impl Signal {
             detail: String::new(),
             at: Instant::now(),
             at_ms: crate::sys::now_ms(),
+            replayed: false,
+            cursor: None,
         }
     }
 }
@@ -67,6 +75,8 @@ pub struct FaultEvent {
     pub first_ms: u64,
     pub last: Instant,
     pub detail: String,
+    /// Some of its evidence was read after an agent restart (it happened while the agent was down).
+    pub replayed: bool,
 }
 
 impl FaultEvent {
@@ -84,6 +94,7 @@ impl FaultEvent {
             first_ms: s.at_ms,
             last: s.at,
             detail: String::new(),
+            replayed: false,
         };
         e.absorb(s);
         e
@@ -112,6 +123,7 @@ impl FaultEvent {
         }
         self.sources.insert(s.source);
         self.domains.extend(s.domain);
+        self.replayed |= s.replayed;
         if self.reported_pid.is_none() {
             self.reported_pid = s.reported_pid;
         }

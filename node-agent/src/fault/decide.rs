@@ -271,6 +271,7 @@ mod tests {
             first_ms: 0,
             last: Instant::now(),
             detail: String::new(),
+            replayed: false,
         }
     }
 

@@ -98,7 +98,19 @@ impl Agent {
             ancestry: &ancestry,
             now: Instant::now(),
         };
-        let effects = core::on_signal(&mut self.state(), &ctx, gpu, &s);
+        let effects = {
+            let mut st = self.state();
+            let effects = core::on_signal(&mut st, &ctx, gpu, &s);
+            // Kept with the decision it led to (persisted together): after a restart the reader
+            // goes on past it.
+            if let Some(c) = &s.cursor {
+                st.durable.cursors.advance(c);
+            }
+            effects
+        };
+        if s.cursor.is_some() {
+            self.mark_dirty();
+        }
         for e in effects {
             match e {
                 Effect::History => self.persister.history_changed(),

@@ -135,7 +135,7 @@ impl NvmlBackend {
             kmsg: cfg.faults.kmsg.then(|| {
                 (
                     cfg.faults.kmsg_path.clone(),
-                    cfg.state_dir.join("kmsg-cursor.json"),
+                    cfg.state_dir.join(crate::intake::readers::KMSG_CURSOR_FILE),
                 )
             }),
             quit_on_shutdown: cfg.mps.quit_on_shutdown,

@@ -21,14 +21,83 @@ pub struct KmsgCursor {
     pub seq: u64,
 }
 
+/// Where the kernel-log reader finds, at its start, the record to resume after (in the state dir).
+pub const KMSG_CURSOR_FILE: &str = "kmsg-cursor.json";
+
+/// A position in one MPS log file (its inode, and the offset just past the last line used).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogCursor {
+    pub ino: u64,
+    pub offset: u64,
+}
+
+/// Where a reader was just past a signal it sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cursor {
+    Kmsg(KmsgCursor),
+    Log { path: PathBuf, at: LogCursor },
+}
+
+/// The readers' positions the fault worker has used, kept in the durable state with the decisions
+/// made from them: after a restart each reader goes on from there, so a fault that happened while
+/// the agent was down is decided, and one decided before is not decided again.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursors {
+    #[serde(default)]
+    pub kmsg: Option<KmsgCursor>,
+    /// Log file path -> position.
+    #[serde(default)]
+    pub logs: std::collections::BTreeMap<PathBuf, LogCursor>,
+}
+
+impl Cursors {
+    pub fn advance(&mut self, c: &Cursor) {
+        match c {
+            Cursor::Kmsg(k) => {
+                if self
+                    .kmsg
+                    .as_ref()
+                    .is_none_or(|o| o.boot_id != k.boot_id || o.seq < k.seq)
+                {
+                    self.kmsg = Some(k.clone());
+                }
+            }
+            Cursor::Log { path, at } => {
+                let e = self.logs.entry(path.clone()).or_default();
+                if e.ino != at.ino || e.offset < at.offset {
+                    *e = *at;
+                }
+            }
+        }
+    }
+
+    /// Forgets the logs of a directory (its domain stopped; its files go with the next start).
+    pub fn forget_dir(&mut self, dir: &Path) {
+        self.logs.retain(|p, _| !p.starts_with(dir));
+    }
+}
+
+/// The monotonic clock in microseconds, as /dev/kmsg stamps its records.
+fn monotonic_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
+}
+
 fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
 }
 
-/// Reads `/dev/kmsg` forever. With a saved cursor of this boot, replays records after it (faults that
-/// happened while the agent was down); otherwise starts at the end (old Xids are history, not news).
+/// Reads `/dev/kmsg` forever. With a saved cursor of this boot (the agent writes the one kept with
+/// its decisions there before starting this reader), replays records after it (faults that
+/// happened while the agent was down: marked replayed); otherwise starts at the end (old Xids are
+/// history, not news). Each signal carries its record's cursor; the reader itself writes none.
 pub fn spawn_kmsg_reader(
     path: PathBuf,
     cursor_file: PathBuf,
@@ -49,17 +118,13 @@ pub fn spawn_kmsg_reader(
     };
     std::thread::Builder::new()
         .name("kmsg".into())
-        .spawn(move || kmsg_loop(f, boot, resume_after, cursor_file, tx))?;
+        .spawn(move || kmsg_loop(f, boot, resume_after, tx))?;
+    let _ = cursor_file;
     Ok(())
 }
 
-fn kmsg_loop(
-    mut f: File,
-    boot: String,
-    resume_after: Option<u64>,
-    cursor_file: PathBuf,
-    tx: Sender<Signal>,
-) {
+fn kmsg_loop(mut f: File, boot: String, resume_after: Option<u64>, tx: Sender<Signal>) {
+    let started_us = monotonic_us();
     let mut buf = vec![0u8; 8192];
     loop {
         // Each read returns exactly one record.
@@ -96,34 +161,62 @@ fn kmsg_loop(
             continue;
         }
         if let Some(line) = parsed {
-            if let Some(s) = signal_from_kernel(&line, Source::Kmsg) {
+            if let Some(mut s) = signal_from_kernel(&line, Source::Kmsg) {
+                s.replayed = resume_after.is_some() && r.ts_usec < started_us;
+                s.cursor = Some(Cursor::Kmsg(KmsgCursor {
+                    boot_id: boot.clone(),
+                    seq: r.seq,
+                }));
                 if tx.send(s).is_err() {
                     return;
                 }
             }
-            // Only NVRM records move the cursor: cheap, and enough to not replay a fault twice.
-            let _ = crate::store::atomic_file::write_atomic(
-                &cursor_file,
-                &KmsgCursor {
-                    boot_id: boot.clone(),
-                    seq: r.seq,
-                },
-            );
         }
     }
 }
 
-/// Tails one of a domain's MPS logs (server.log, control.log) from its current end until `stop`.
-/// A fatal-error line is the domain's own evidence that *its* server faulted: it becomes a signal
-/// for that domain (without an Xid: it joins the fault, or opens one the Xid then joins).
-pub fn spawn_log_tail(domain: DomainId, path: PathBuf, tx: Sender<Signal>, stop: Arc<AtomicBool>) {
+/// Tails one of a domain's MPS logs (server.log, control.log) from `from` (a position kept with
+/// the decisions: lines written while the agent was down are read, marked replayed), else from
+/// its current end, until `stop`. A fatal-error line is the domain's own evidence that *its*
+/// server faulted: it becomes a signal for that domain (without an Xid: it joins the fault, or
+/// opens one the Xid then joins), carrying the position just past it.
+pub fn spawn_log_tail(
+    domain: DomainId,
+    path: PathBuf,
+    from: Option<LogCursor>,
+    tx: Sender<Signal>,
+    stop: Arc<AtomicBool>,
+) {
     let _ = std::thread::Builder::new()
         .name(format!("mpslog{}.{}", domain.gpu, domain.slot))
-        .spawn(move || tail_loop(domain, &path, tx, &stop));
+        .spawn(move || tail_loop(domain, &path, from, tx, &stop));
 }
 
-fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBool) {
-    let mut pos = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+/// The inode and length of a file, where it exists.
+pub fn log_position(path: &Path) -> Option<LogCursor> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| LogCursor {
+        ino: m.ino(),
+        offset: m.len(),
+    })
+}
+
+fn tail_loop(
+    domain: DomainId,
+    path: &Path,
+    from: Option<LogCursor>,
+    tx: Sender<Signal>,
+    stop: &AtomicBool,
+) {
+    let now = log_position(path);
+    // What is in the file now was written before this tail: replayed news, if read at all.
+    let backlog_end = now.map_or(0, |c| c.offset);
+    let mut ino = now.map_or(0, |c| c.ino);
+    let mut pos = match (from, now) {
+        (Some(f), Some(n)) if f.ino == n.ino && f.offset <= n.offset => f.offset,
+        (_, Some(n)) => n.offset,
+        _ => 0,
+    };
     // Woken by writes to the log's directory; the bound is how long a stopped tail may linger.
     let watch = crate::intake::file_watch::FileWatch::new(path);
     if !watch.notified() {
@@ -142,9 +235,13 @@ fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBoo
         let Ok(mut f) = File::open(path) else {
             continue;
         };
-        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-        if len < pos {
-            pos = 0; // rotated or truncated
+        let (len, file_ino) = f.metadata().map_or((0, 0), |m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.len(), m.ino())
+        });
+        if len < pos || file_ino != ino {
+            pos = 0; // rotated, truncated or made anew
+            ino = file_ino;
         }
         if f.seek(SeekFrom::Start(pos)).is_err() {
             continue;
@@ -164,6 +261,11 @@ fn tail_loop(domain: DomainId, path: &Path, tx: Sender<Signal>, stop: &AtomicBoo
                 let mut s = Signal::new(Source::MpsLog, GpuRef::Index(domain.gpu), None);
                 s.domain = Some(domain.slot);
                 s.detail = format!("{domain}: {}", line.trim());
+                s.replayed = pos <= backlog_end && from.is_some();
+                s.cursor = Some(Cursor::Log {
+                    path: path.to_path_buf(),
+                    at: LogCursor { ino, offset: pos },
+                });
                 if tx.send(s).is_err() {
                     return;
                 }

@@ -191,6 +191,10 @@ pub struct Durable {
     /// looked like the one already requeued and was left to die when hit.
     #[serde(default)]
     pub next_run: BTreeMap<u32, u32>,
+    /// Where the kernel-log and MPS-log readers were, just past the last signal decided: a
+    /// restarted agent reads on from there.
+    #[serde(default)]
+    pub cursors: crate::intake::readers::Cursors,
 }
 
 /// One run of a job on this node, as Slurm reported it.
@@ -402,11 +406,52 @@ pub struct State {
     /// What the agent did since it started, per GPU (Prometheus counters: they start at 0 again
     /// after a restart, which `rate()` and `increase()` handle).
     pub totals: BTreeMap<u32, FaultTotals>,
+    /// Tasks that exited while the agent was down: victims of a fault read back after the
+    /// restart (its evidence replayed), for as long as that catch-up can take.
+    pub down_exits: DownExits,
     /// Rungs of the escalation ladder climbed since the agent started, per GPU (a counter).
     pub escalations: BTreeMap<(u32, mpsr_proto::EscalationRung), u64>,
     /// Registry changes not yet in the journal file.
     pub journal_pending: Vec<crate::store::journal::Entry>,
     pub next_seq: u64,
+}
+
+/// Tasks that exited while the agent was down, kept for the catch-up after its start.
+#[derive(Debug, Clone)]
+pub struct DownExits {
+    pub tasks: Vec<crate::store::registry::Task>,
+    /// After this the catch-up is over (the readers have read their backlog long since).
+    pub until: Instant,
+}
+
+impl DownExits {
+    /// How long after the start a replayed fault may still name them.
+    pub const CATCH_UP: std::time::Duration = std::time::Duration::from_secs(120);
+
+    pub fn new(tasks: Vec<crate::store::registry::Task>) -> DownExits {
+        DownExits {
+            tasks,
+            until: Instant::now() + Self::CATCH_UP,
+        }
+    }
+
+    /// The tasks on `gpu`, while the catch-up lasts.
+    pub fn on_gpu(
+        &self,
+        gpu: u32,
+        now: Instant,
+    ) -> impl Iterator<Item = &crate::store::registry::Task> {
+        let live = now < self.until;
+        self.tasks
+            .iter()
+            .filter(move |t| live && t.gpus.contains(&gpu))
+    }
+}
+
+impl Default for DownExits {
+    fn default() -> Self {
+        DownExits::new(Vec::new())
+    }
 }
 
 /// Counts of one GPU since the agent started.

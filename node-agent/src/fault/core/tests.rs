@@ -37,6 +37,7 @@ impl World {
                 moved: Vec::new(),
                 totals: Default::default(),
                 escalations: Default::default(),
+                down_exits: Default::default(),
                 journal_pending: Vec::new(),
                 next_seq: 1,
             },
