@@ -111,7 +111,39 @@ impl Agent {
                     }
                 }
             }
+            self.free_state_of_jobs_that_will_not_run_again();
             std::thread::sleep(Duration::from_secs(5));
+        }
+    }
+
+    /// State kept for a requeued job waits `keeper.keep_after_requeue_s` for its next run; a job
+    /// cancelled (or ended) while pending never comes: its state is freed as soon as Slurm says so.
+    fn free_state_of_jobs_that_will_not_run_again(&self) {
+        use crate::act::keepers::{kept_verdict, KeptVerdict};
+        let kept: Vec<(u32, u64)> = self
+            .state()
+            .durable
+            .kept_for_requeue
+            .iter()
+            .map(|(j, u)| (*j, *u))
+            .collect();
+        for (job, until) in kept {
+            let now = crate::sys::now_ms();
+            let facts = if now >= until {
+                Ok(None)
+            } else {
+                self.slurm.job_facts(job)
+            };
+            let v = kept_verdict(until, now, &facts);
+            if v == KeptVerdict::Keep {
+                continue;
+            }
+            self.state().durable.kept_for_requeue.remove(&job);
+            self.mark_dirty();
+            if v == KeptVerdict::Free {
+                tracing::info!(job, "requeued job will not run again (Slurm says it ended); its kept GPU state freed");
+                self.keepers.job_end(job, Duration::ZERO);
+            }
         }
     }
 }

@@ -1582,3 +1582,50 @@ fn a_job_hit_while_the_agent_was_down_is_requeued_once_it_is_back() {
     );
     assert!(not_drained(&c, "n1"));
 }
+
+/// GPU state kept for a requeued job waits for its next run (600 s by default); a job cancelled
+/// while pending never comes back: its state is freed as soon as Slurm says it ended (issue 31).
+#[test]
+fn a_requeued_job_cancelled_while_pending_frees_its_kept_state() {
+    use mpsr_proto::keeper::{KeeperRequest, KeeperResponse};
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &format!(
+                "{}{}",
+                keeps_state("ckpt", "4M", 5),
+                client_script(120, 120)
+            ),
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    c.wait_registered("n1", id, 1).unwrap();
+    let sock = c.dir.join("n1/run/gpu0/keeper.sock");
+    let kept = || {
+        let mut s = std::os::unix::net::UnixStream::connect(&sock).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        mpsr_proto::write_frame(&mut s, &KeeperRequest::Stats).ok()?;
+        match mpsr_proto::read_frame(&mut s).ok()? {
+            KeeperResponse::Stats { total_bytes, .. } => Some(total_bytes),
+            _ => None,
+        }
+    };
+    wait_for("the state kept", SHORT, || (kept()? > 0).then_some(())).unwrap();
+    // Held, so it cannot start again here before it is cancelled.
+    c.inject("n1", 0, 43).unwrap();
+    wait_for("the requeue", LONG, || {
+        (c.job_field(id, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    c.cmd(&format!("scontrol hold {id}")).unwrap();
+    assert_eq!(kept(), Some(4 << 20), "kept for the next run");
+    c.cmd(&format!("scancel {id}")).unwrap();
+    wait_for("the kept state freed", LONG, || {
+        (kept()? == 0).then_some(())
+    })
+    .unwrap();
+}

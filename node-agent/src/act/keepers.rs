@@ -232,3 +232,62 @@ impl Keepers {
         }
     }
 }
+
+/// What to do with state kept for a requeued job, from what Slurm says of it now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeptVerdict {
+    /// It may still run again (pending, or Slurm did not answer): keep.
+    Keep,
+    /// It will not run again (cancelled or ended while pending, or gone): free now.
+    Free,
+    /// The keep time is over: the keeper frees it by itself; forget it.
+    Expired,
+}
+
+pub fn kept_verdict(
+    until_ms: u64,
+    now_ms: u64,
+    facts: &Result<Option<crate::act::slurm::scontrol::JobFacts>, crate::sys::process::RunError>,
+) -> KeptVerdict {
+    if now_ms >= until_ms {
+        return KeptVerdict::Expired;
+    }
+    match facts {
+        Ok(None) => KeptVerdict::Free,
+        Ok(Some(f)) if f.finished() => KeptVerdict::Free,
+        _ => KeptVerdict::Keep,
+    }
+}
+
+#[cfg(test)]
+mod kept_tests {
+    use super::*;
+    use crate::act::slurm::scontrol::JobFacts;
+
+    #[test]
+    fn state_kept_for_a_requeued_job_is_freed_once_slurm_says_it_will_not_run_again() {
+        let f = |s: &str| Ok(Some(JobFacts::parse(s)));
+        assert_eq!(
+            kept_verdict(100, 1, &f("JobId=7 JobState=PENDING")),
+            KeptVerdict::Keep
+        );
+        assert_eq!(
+            kept_verdict(100, 1, &f("JobId=7 JobState=CANCELLED")),
+            KeptVerdict::Free
+        );
+        assert_eq!(kept_verdict(100, 1, &Ok(None)), KeptVerdict::Free, "gone");
+        let down = Err(crate::sys::process::RunError::Timeout {
+            command: "scontrol".into(),
+            ms: 1,
+        });
+        assert_eq!(
+            kept_verdict(100, 1, &down),
+            KeptVerdict::Keep,
+            "Slurm did not answer"
+        );
+        assert_eq!(
+            kept_verdict(100, 100, &f("JobId=7 JobState=PENDING")),
+            KeptVerdict::Expired
+        );
+    }
+}

@@ -28,6 +28,8 @@ pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Respon
     st.durable.resume.remove_job(job_id);
     let standbys = st.durable.drop_standbys(|s| s.task.0 == job_id);
     st.durable.start_run(job_id, uid, restart_count);
+    // Its next run is here: what was kept for it is its own again.
+    st.durable.kept_for_requeue.remove(&job_id);
     if restart_count > 0 {
         crate::store::state::push_outcome(
             &mut st.durable.outcomes,
@@ -68,6 +70,11 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
         || st.durable.pending.iter().any(|p| {
             matches!(p.op, crate::act::slurm::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
         });
+    if requeued {
+        let until = crate::sys::now_ms()
+            .saturating_add(agent.keepers.keep_after_requeue.as_millis() as u64);
+        st.durable.kept_for_requeue.insert(job_id, until);
+    }
     drop(st);
     crate::store::state::remove_fifos(&standbys);
     agent.mark_dirty();

@@ -191,6 +191,10 @@ pub struct Durable {
     /// looked like the one already requeued and was left to die when hit.
     #[serde(default)]
     pub next_run: BTreeMap<u32, u32>,
+    /// Jobs whose kept GPU state waits for their requeued next run (until, unix ms): freed at
+    /// once when Slurm says the job will not run again (cancelled or ended while pending).
+    #[serde(default)]
+    pub kept_for_requeue: BTreeMap<u32, u64>,
     /// Where the kernel-log and MPS-log readers were, just past the last signal decided: a
     /// restarted agent reads on from there.
     #[serde(default)]

@@ -245,6 +245,11 @@ pub struct JobFacts {
 }
 
 impl JobFacts {
+    /// Slurm says the job has ended (it will not run again unless someone requeues it).
+    pub fn finished(&self) -> bool {
+        self.state.as_deref().is_some_and(finished)
+    }
+
     pub fn parse(line: &str) -> JobFacts {
         let flag = |k| {
             field(line, k)
