@@ -190,6 +190,24 @@ impl Scontrol {
         }
     }
 
+    /// A requeue read back after an agent restart whose job Slurm says ended well after the fault
+    /// (it ran on, and ended for its own reasons): not sent, or a finished job would be brought
+    /// back. A job that ended within [`RAN_ON_MS`] of the fault may have ended of it: requeued.
+    pub fn stale_requeue(&self, job_id: u32, fault_at_ms: u64) -> Option<Outcome> {
+        let f = self.job_facts(job_id).ok()??;
+        let end = f.end_time.as_deref()?;
+        if !f.finished() {
+            return None;
+        }
+        let ran_on = local_time(fault_at_ms.saturating_add(RAN_ON_MS))?;
+        // Both in this node's local time, as scontrol prints it: the text order is time order.
+        (end > ran_on.as_str()).then(|| {
+            Outcome::Permanent(format!(
+                "job {job_id} ran on after the fault and ended at {end}: a requeue read back after an agent restart is not sent"
+            ))
+        })
+    }
+
     /// A node Slurm answers for and does not list will not appear by retrying.
     fn drain_failed(&self, node: &str, out: String) -> Outcome {
         match self.listed(&["show", "node", "-o"], "NodeName", node) {
@@ -239,6 +257,8 @@ impl Scontrol {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobFacts {
     pub state: Option<String>,
+    /// `EndTime` as scontrol prints it (local time, `YYYY-MM-DDTHH:MM:SS`).
+    pub end_time: Option<String>,
     pub batch: Option<bool>,
     pub requeueable: Option<bool>,
     pub restarts: Option<u32>,
@@ -258,11 +278,35 @@ impl JobFacts {
         };
         JobFacts {
             state: field(line, "JobState").map(str::to_string),
+            end_time: field(line, "EndTime").map(str::to_string),
             batch: flag("BatchFlag"),
             requeueable: flag("Requeue"),
             restarts: field(line, "Restarts").and_then(|v| v.parse().ok()),
         }
     }
+}
+
+/// A job that ended this long after the fault that hit it ran on (it did not end of the fault).
+pub const RAN_ON_MS: u64 = 60_000;
+
+/// Unix ms as scontrol prints a time (`2026-12-06T07:55:01`, this node's local time).
+fn local_time(ms: u64) -> Option<String> {
+    let t = (ms / 1000) as libc::time_t;
+    // SAFETY: an all-zero tm is a valid value for localtime_r to overwrite.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are valid for the call; localtime_r is the thread-safe variant.
+    if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
+        return None;
+    }
+    Some(format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    ))
 }
 
 /// Whether a job state (`JobState=` of `scontrol show job`) is a finished one.
@@ -381,6 +425,40 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_requeue_read_back_after_a_restart_is_not_sent_for_a_job_that_ran_on_and_ended() {
+        let fault_at = 1_796_000_000_000u64;
+        let shim = |end_ms: u64, state: &str| {
+            let end = local_time(end_ms).unwrap();
+            Shim::new(
+                &format!("stale-{state}-{end_ms}"),
+                &format!(
+                "echo 'JobId=7 JobState={state} Restarts=0 BatchFlag=1 Requeue=1 EndTime={end}'"
+            ),
+            )
+        };
+        // Ended 10 minutes after the fault: it ran on; the requeue is stale.
+        let s = shim(fault_at + 600_000, "FAILED");
+        assert!(matches!(
+            s.scontrol.stale_requeue(7, fault_at),
+            Some(Outcome::Permanent(m)) if m.contains("ran on after the fault")
+        ));
+        // Ended 5 s after it (died of it): requeued as usual.
+        assert_eq!(
+            shim(fault_at + 5_000, "FAILED")
+                .scontrol
+                .stale_requeue(7, fault_at),
+            None
+        );
+        // Still running: requeued as usual.
+        assert_eq!(
+            shim(fault_at + 600_000, "RUNNING")
+                .scontrol
+                .stale_requeue(7, fault_at),
+            None
+        );
+    }
+
+    #[test]
     fn a_fault_line_is_appended_to_what_the_site_put_in_the_admin_comment() {
         // squeue --json of Slurm 22.05 (openapi v0.0.38): a name with a newline and a forged
         // `AdminComment=` stays inside its own string.
@@ -419,6 +497,7 @@ mod tests {
             JobFacts::parse(line),
             JobFacts {
                 state: Some("RUNNING".into()),
+                end_time: None,
                 batch: Some(true),
                 requeueable: Some(true),
                 restarts: Some(0)

@@ -27,13 +27,33 @@ impl Agent {
                     tracing::warn!(key = %next.key, durability = ?d, "acting before the decision is on disk");
                 }
             }
-            let outcome = self
-                .slurm
-                .execute(&next.op, !next.fresh || next.attempts > 0);
+            let outcome = self.stale_after_restart(&next).unwrap_or_else(|| {
+                self.slurm
+                    .execute(&next.op, !next.fresh || next.attempts > 0)
+            });
             self.settle(&next, outcome, &mut not_before);
             let g = self.mark_dirty();
             self.wait_durable(g);
         }
+    }
+
+    /// A requeue read back after a restart may be stale (its job ran on and ended since): then
+    /// what Slurm says of the job settles it without a call.
+    fn stale_after_restart(&self, next: &PendingAction) -> Option<Outcome> {
+        let SlurmOp::Requeue { job_id, .. } = next.op else {
+            return None;
+        };
+        if next.fresh {
+            return None;
+        }
+        let at = self
+            .state()
+            .history
+            .iter()
+            .rev()
+            .find(|r| r.fault_id == next.fault_id)
+            .map(|r| r.at_ms)?;
+        self.slurm.stale_requeue(job_id, at)
     }
 
     /// Waits for the first pending action that may run now (its backoff and its own delay over).
