@@ -412,8 +412,8 @@ fn quarantine(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job: u32, uid: u32) {
         &mut st.durable.outcomes,
         job,
         format!(
-            "fault {}: culprit; quarantined ({who:?}) for {} s: its next run gets a fault domain of its own",
-            ev.id, ctx.quarantine_s
+            "fault {}: culprit; quarantined ({who:?}) on {} for {} s: its next run here gets a fault domain of its own (a run Slurm starts on another node is not quarantined there)",
+            ev.id, ctx.node, ctx.quarantine_s
         ),
     );
 }
