@@ -2,12 +2,19 @@
 //!
 //! Slurm has no SPANK item for GPUs: they come from the step's environment. `SLURM_STEP_GPUS` /
 //! `SLURM_JOB_GPUS` hold the node's GPU indexes (not renumbered by device cgroups), so they are
-//! preferred over `CUDA_VISIBLE_DEVICES`. The agent runs one MPS server per GPU, and an MPS client
+//! preferred over `CUDA_VISIBLE_DEVICES`; `GPU_DEVICE_ORDINAL` (same numbering as
+//! `CUDA_VISIBLE_DEVICES`) is the last resort: with shards on some nodes and gres/mps on others,
+//! Slurm 22.05 gives a shard step that one alone. The agent runs one MPS server per GPU, and an MPS client
 //! talks to one server, so each task uses one GPU: task `i` gets `gpus[i % n]` (like
 //! `--gpu-bind=single:1`).
 
 /// Environment variables consulted, in order.
-pub const SOURCES: [&str; 3] = ["SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"];
+pub const SOURCES: [&str; 4] = [
+    "SLURM_STEP_GPUS",
+    "SLURM_JOB_GPUS",
+    "CUDA_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GpuListError {
@@ -91,6 +98,9 @@ mod tests {
         assert_eq!(from_env(e).unwrap(), (vec![2, 3], "SLURM_STEP_GPUS"));
         let e = env(&[("SLURM_JOB_GPUS", "1"), ("CUDA_VISIBLE_DEVICES", "0")]);
         assert_eq!(from_env(e).unwrap(), (vec![1], "SLURM_JOB_GPUS"));
+        // A shard step of a cluster with shards and gres/mps (Slurm 22.05): that one alone.
+        let e = env(&[("GPU_DEVICE_ORDINAL", "1"), ("SLURM_SHARDS_ON_NODE", "4")]);
+        assert_eq!(from_env(e).unwrap(), (vec![1], "GPU_DEVICE_ORDINAL"));
         let e = env(&[("CUDA_VISIBLE_DEVICES", "0, 1,1")]);
         assert_eq!(from_env(e).unwrap().0, vec![0, 1]);
         assert_eq!(from_env(env(&[])).unwrap().0, Vec::<u32>::new());

@@ -152,8 +152,10 @@ pub fn user_init(sp: Spank) {
     let gpus = match gpus::from_env(|k| sp.getenv(k).ok().flatten()) {
         Ok((g, _)) if g.is_empty() => {
             st.error = Some(
-                "--mps-resilient needs GPUs, but this step has none (ask for --gres=gpu:N or --gres=shard:N)"
-                    .into(),
+                format!(
+                    "--mps-resilient needs GPUs, but this step has none (ask for --gres=gpu:N, --gres=shard:N or --gres=mps:N; looked at {})",
+                    gpus::SOURCES.join(", ")
+                ),
             );
             return;
         }

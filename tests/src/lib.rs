@@ -42,6 +42,9 @@ pub struct Options {
     pub shards_per_gpu: u32,
     /// Share GPUs through Slurm's gres/mps (`--gres=mps:N`, 100 per GPU) instead of shards.
     pub gres_mps: bool,
+    /// Shards on the first node, gres/mps on the others (`GresTypes=gpu,shard,mps`): Slurm then
+    /// gives a shard step fewer GPU variables.
+    pub gres_mixed: bool,
     /// Track and confine jobs with cgroups as production sites do: proctrack/cgroup,
     /// task/cgroup + task/affinity, ConstrainDevices=yes (cgroup v1 here).
     pub cgroup: bool,
@@ -69,6 +72,7 @@ impl Default for Options {
             gpus_per_node: 2,
             shards_per_gpu: 4,
             gres_mps: false,
+            gres_mixed: false,
             cgroup: false,
             previous_release: false,
             log_scontrol: false,
@@ -429,9 +433,10 @@ impl Cluster {
         let gpus = o.gpus_per_node;
         let mut nodes = String::new();
         let mut gres = String::new();
-        for n in &o.nodes {
+        for (i, n) in o.nodes.iter().enumerate() {
             let port = free_port()?;
-            let (sharing, per_gpu) = if o.gres_mps {
+            let mps_here = o.gres_mps || (o.gres_mixed && i > 0);
+            let (sharing, per_gpu) = if mps_here {
                 ("mps", 100)
             } else {
                 ("shard", o.shards_per_gpu)
@@ -495,7 +500,13 @@ Epilog={t}/etc/epilog.sh
 ",
             cred = o.cred_expire_s,
             list = o.nodes.join(","),
-            sharing = if o.gres_mps { "mps" } else { "shard" },
+            sharing = if o.gres_mixed {
+                "shard,mps"
+            } else if o.gres_mps {
+                "mps"
+            } else {
+                "shard"
+            },
             tracking = if o.cgroup {
                 "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup,task/affinity"
             } else {

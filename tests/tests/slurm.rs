@@ -1629,3 +1629,49 @@ fn a_requeued_job_cancelled_while_pending_frees_its_kept_state() {
     })
     .unwrap();
 }
+
+/// A cluster with shards on some nodes and gres/mps on others (issue 31): Slurm 22.05 then gives a
+/// shard step only `GPU_DEVICE_ORDINAL` (and `SLURM_SHARDS_ON_NODE`) for its GPU, and every
+/// `--gres=shard:1 --mps-resilient` job failed with "needs GPUs". Both kinds are protected.
+#[test]
+fn shards_on_one_node_and_gres_mps_on_another_are_both_protected() {
+    let Some((_g, c)) = cluster(Options {
+        gres_mixed: true,
+        ..Options::default()
+    }) else {
+        return;
+    };
+    let script = "env | grep -E '^(GPU_DEVICE_ORDINAL|CUDA_VISIBLE_DEVICES|SLURM_(STEP|JOB)_GPUS|SLURM_SHARDS_ON_NODE)=' | sort\n\
+                  echo \"run ${SLURM_RESTART_COUNT:-0} gpu $MPSR_GPU\"\n\
+                  if [ \"${SLURM_RESTART_COUNT:-0}\" -gt 0 ]; then s=1; else s=120; fi\n\
+                  exec mpsr-simclient --seconds $s";
+    let shard = c
+        .sbatch("nobody", "-w n1 --gres=shard:1 --mps-resilient", script)
+        .unwrap();
+    let mps = c
+        .sbatch("nobody", "-w n2 --gres=mps:50 --mps-resilient", script)
+        .unwrap();
+    for (id, node) in [(shard, "n1"), (mps, "n2")] {
+        c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+        let gpus = c.wait_registered(node, id, 1).unwrap_or_else(|e| {
+            panic!(
+                "job {id} on {node} not registered: {e}; output: {}",
+                c.job_output(id)
+            )
+        });
+        assert_eq!(gpus.len(), 1, "{}", c.job_output(id));
+        c.inject(node, gpus[0], 43).unwrap();
+        wait_for(&format!("job {id} requeued"), LONG, || {
+            (c.job_field(id, "Restarts") == "1").then_some(())
+        })
+        .unwrap();
+    }
+    for id in [shard, mps] {
+        c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+        assert!(
+            c.job_output(id).contains("run 1 gpu"),
+            "{}",
+            c.job_output(id)
+        );
+    }
+}
