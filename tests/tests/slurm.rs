@@ -1675,3 +1675,40 @@ fn shards_on_one_node_and_gres_mps_on_another_are_both_protected() {
         );
     }
 }
+
+/// The job's environment is the user's: a job exported with `SLURM_RESTART_COUNT=4294967295`
+/// overflowed the agent's requeue bookkeeping, and in the debug build its Slurm worker died, so
+/// no job of any user on that node was requeued from then on (issue 31). Now Slurm's own count
+/// (the prolog's) wins: the forger's job is requeued like any other, and so are the others after.
+#[test]
+fn a_forged_restart_count_neither_kills_the_slurm_worker_nor_skips_a_requeue() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let forged = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient --mps-isolation=job --export=ALL,SLURM_RESTART_COUNT=4294967295",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(forged, &["RUNNING"], SHORT).unwrap();
+    c.wait_registered("n1", forged, 1).unwrap();
+    let d = attached_domain(&c, forged);
+    c.inject_in("n1", d.gpu, 31, Some(d.slot)).unwrap();
+    wait_for("the forger's job requeued", LONG, || {
+        (c.job_field(forged, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    // The worker lives on: another job's fault is requeued too.
+    let other = protected_batch_job(&c, 120);
+    let d = attached_domain(&c, other);
+    c.inject_in("n1", d.gpu, 43, Some(d.slot)).unwrap();
+    wait_for("the next job requeued", LONG, || {
+        (c.job_field(other, "Restarts") == "1").then_some(())
+    })
+    .unwrap();
+    for id in [forged, other] {
+        c.wait_job_state(id, &["COMPLETED"], LONG).unwrap();
+    }
+}
