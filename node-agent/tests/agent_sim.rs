@@ -43,7 +43,7 @@ impl Env {
         let squeue = d.join("squeue");
         std::fs::write(
             &squeue,
-            "#!/bin/sh\n[ \"$1\" = --json ] && echo \"{\\\"jobs\\\":[{\\\"job_id\\\":$3,\\\"admin_comment\\\":\\\"\\\"}]}\"\n",
+            "#!/bin/sh\n[ \"$1\" = --json ] && echo \"{\\\"jobs\\\":[{\\\"job_id\\\":$4,\\\"admin_comment\\\":\\\"\\\"}]}\"\n",
         )
         .unwrap();
         std::fs::set_permissions(&squeue, std::os::unix::fs::PermissionsExt::from_mode(0o755))

@@ -224,7 +224,7 @@ def write_agent_config(extra=""):
                     "case \"$1\" in show) echo 'NodeName=gpu-node State=IDLE JobId=0 Restarts=0';; esac\nexit 0\n")
     shim.chmod(0o755)
     squeue = W / "squeue"
-    squeue.write_text('#!/bin/sh\n[ "$1" = --json ] && echo "{\\"jobs\\":[{\\"job_id\\":$3,\\"admin_comment\\":\\"\\"}]}"\n')
+    squeue.write_text('#!/bin/sh\n[ "$1" = --json ] && echo "{\\"jobs\\":[{\\"job_id\\":$4,\\"admin_comment\\":\\"\\"}]}"\n')
     squeue.chmod(0o755)
     cfg = W / "agent.toml"
     cfg.write_text(f"""backend = "nvml"

@@ -925,7 +925,7 @@ gpus = {}
     /// The job's AdminComment, from `squeue --json` (the multi-line `scontrol show job` can be
     /// forged by a newline in the job's name).
     pub fn admin_comment(&self, id: u32) -> String {
-        let Ok(o) = self.cmd(&format!("squeue --json -j {id}")) else {
+        let Ok(o) = self.cmd(&format!("squeue --json --states=all -j {id}")) else {
             return String::new();
         };
         serde_json::from_slice::<serde_json::Value>(&o.stdout)

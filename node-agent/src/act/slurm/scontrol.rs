@@ -46,18 +46,24 @@ impl Scontrol {
 
     /// The job's AdminComment, `None` when Slurm does not list the job. Read where no field a
     /// user chooses can stand in for it: `squeue --json` (its `admin_comment`), else
-    /// `squeue -O admin_comment` (that field alone). Never from `scontrol show job`: a job name or
+    /// `squeue -O admin_comment` (that field alone), in any state (Slurm 24.11's squeue lists an
+    /// ended job only with `--states=all`). Never from `scontrol show job`: a job name or
     /// work directory holding a newline and `AdminComment=` forged a line there, which root then
     /// wrote back into the real AdminComment.
     fn admin_comment_of(&self, job_id: u32) -> Result<Option<String>, RunError> {
         let id = job_id.to_string();
-        if let Ok((true, out)) = self.run_tool(&self.cfg.squeue, &["--json", "-j", &id]) {
+        if let Ok((true, out)) =
+            self.run_tool(&self.cfg.squeue, &["--json", "--states=all", "-j", &id])
+        {
             if let Some(c) = admin_comment_from_json(&out, job_id) {
                 return Ok(c);
             }
         }
         let width = format!("admin_comment:{}", ADMIN_COMMENT_MAX * 4);
-        match self.run_tool(&self.cfg.squeue, &["-h", "-j", &id, "-O", &width])? {
+        match self.run_tool(
+            &self.cfg.squeue,
+            &["-h", "--states=all", "-j", &id, "-O", &width],
+        )? {
             (true, out) => Ok(Some(
                 out.trim_end_matches(['\n', ' '])
                     .to_string()
