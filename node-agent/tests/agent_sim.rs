@@ -2983,12 +2983,19 @@ fn a_fault_while_the_agent_was_down_is_decided_at_its_restart_exactly_once() {
         exit_code(&mut victim, Duration::from_secs(5)).is_some(),
         "the victim died"
     );
+    // The requeue of the caught-up fault is held after Slurm carried it out and the agent is
+    // killed then, before it could write it down: its next start must not send it again.
+    let (holding, hold) = (e.path().join("holding"), e.path().join("hold-after"));
+    std::fs::write(&hold, "").unwrap();
     e.start_agent();
-    e.wait_for("the job requeued", |e| {
-        e.scontrol_log().contains("requeue 93")
-    });
+    e.wait_for("the requeue call", |_| holding.exists());
+    assert!(e.scontrol_log().contains("requeue 93"));
     let f = &e.events()[0];
     assert_eq!(f.hit_jobs, vec![93], "{f}");
+    e.kill_agent();
+    std::fs::remove_file(&hold).unwrap();
+    e.start_agent();
+    e.wait_for("the requeue settled", |e| status(e).pending_actions == 0);
     // Restarted again: nothing is decided twice.
     e.kill_agent();
     e.start_agent();

@@ -360,6 +360,8 @@ fn run_of(st: &State, job: u32) -> Option<u32> {
         .registry
         .tasks()
         .chain(st.recent_exits.iter().map(|(_, t)| t))
+        // A task that died while the agent was down: its run is the one a caught-up fault hit.
+        .chain(st.down_exits.tasks.iter())
         .filter(|t| t.job_id == job)
         .map(|t| t.restart_count)
         .chain(st.durable.running.get(&job).map(|r| r.restart_count))
