@@ -583,6 +583,8 @@ mod tests {
                         task: 40,
                         uid: 1000,
                     }),
+                    thread_pct: None,
+                    mem_limit_bytes: None,
                 }],
                 nics: vec![],
             },

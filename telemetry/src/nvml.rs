@@ -228,6 +228,8 @@ impl NvmlSource {
                     .copied()
                     .or((answered && idle).then_some(0.0)),
                 owner: None,
+                thread_pct: None,
+                mem_limit_bytes: None,
             });
         }
     }
