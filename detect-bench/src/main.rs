@@ -1,4 +1,4 @@
-//! `mpsr-detect-bench [--hours H] [--seeds N] [--sampling v0.2|fast] [--tsv] [--misses]`: runs the labelled
+//! `mpsr-detect-bench [--hours H] [--seeds N] [--sampling v0.2|fast] [--tsv] [--misses] [--cases]`: runs the labelled
 //! cases through this build's detector and default rules and prints, per rule, recall (all cases,
 //! and those lasting >= 30 s at >= 50 % duty), precision, time to detect p50/p95 and false alarms
 //! per node-day. SIMULATED series: see the crate's documentation.
@@ -15,6 +15,7 @@ fn main() {
     let mut label = "fast".to_string();
     let mut tsv = false;
     let mut misses = false;
+    let mut per_case = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -33,6 +34,7 @@ fn main() {
             }
             "--tsv" => tsv = true,
             "--misses" => misses = true,
+            "--cases" => per_case = true,
             other => {
                 eprintln!("unknown argument {other}");
                 std::process::exit(2);
@@ -87,6 +89,14 @@ fn main() {
             println!(
                 "{:<20} {:>6} {:>7} {:>9} {:>9} {:>7} {:>7} {:>9}",
                 line[0], line[1], line[2], line[3], line[4], line[5], line[6], line[7]
+            );
+        }
+    }
+    if per_case {
+        for (case, rule, ttd) in &rep.labels {
+            println!(
+                "case\t{case}\t{rule}\t{}",
+                ttd.map_or("missed".into(), |t| format!("{t:.0}"))
             );
         }
     }

@@ -36,6 +36,8 @@ pub struct Report {
     pub seconds: f64,
     /// The labels not found, as "case: rule" (for `--misses`).
     pub misses: Vec<String>,
+    /// Every label: (case, rule, seconds to detect where found), for `--cases`.
+    pub labels: Vec<(String, String, Option<f64>)>,
 }
 
 impl Report {
@@ -109,10 +111,15 @@ pub fn score(cases: &[Case], sampling: Sampling, rules: &dyn Fn() -> Detector) -
             s.cases += 1;
             let goal = l.end - l.start >= 30.0 && case.duty >= 0.5;
             s.goal_cases += goal as u32;
-            if let Some(f) = raised
+            let hit = raised
                 .iter()
-                .find(|f| f.rule.name() == l.rule && during(l, f))
-            {
+                .find(|f| f.rule.name() == l.rule && during(l, f));
+            rep.labels.push((
+                case.name.clone(),
+                l.rule.to_string(),
+                hit.map(|f| f.t - l.start),
+            ));
+            if let Some(f) = hit {
                 s.found += 1;
                 s.goal_found += goal as u32;
                 s.ttd.push(f.t - l.start);

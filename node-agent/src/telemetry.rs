@@ -108,6 +108,9 @@ impl Agent {
                 task: t.pid,
                 uid: t.uid,
             });
+            // The job's own share of the GPU: what it may use is intended, not contention.
+            c.thread_pct = task.and_then(|t| t.threads_pct);
+            c.mem_limit_bytes = task.and_then(|t| t.mem_limit);
             // The server it is a client of: the daemon's list (sim), else its task's domain.
             c.slot = c
                 .slot

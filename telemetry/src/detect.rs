@@ -149,12 +149,19 @@ impl Series {
         let &(t0, v0) = self.0.front()?;
         // Too short a span turns one count into a high rate: half the horizon, unless enough
         // events came for the rate to mean something (a storm is seen in seconds).
-        let events = v - v0;
-        let short = events >= RATE_MIN_EVENTS && t - t0 >= RATE_MIN_SPAN_S;
-        if t - t0 < RATE_HORIZON_S / 2.0 && !short {
-            return None;
+        let whole = (t - t0 >= RATE_HORIZON_S / 2.0).then(|| (v - v0) as f64 * 60.0 / (t - t0));
+        // The recent part of the horizon alone, where enough events came in it: a storm that
+        // began 15 s ago is not diluted by the quiet 45 s before it.
+        let recent = self
+            .0
+            .iter()
+            .filter(|(ti, vi)| t - ti >= RATE_MIN_SPAN_S && v - vi >= RATE_MIN_EVENTS)
+            .map(|(ti, vi)| (v - vi) as f64 * 60.0 / (t - ti))
+            .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
+        match (whole, recent) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
         }
-        Some(events as f64 * 60.0 / (t - t0))
     }
 }
 
@@ -307,9 +314,15 @@ impl Detector {
                     && (rule.clear_s <= 0.0
                         || (reach >= rule.clear_s * 0.5 && good as f64 >= CLEAR_GOOD * n as f64));
                 if cleared {
-                    let mut f = finding(FindingState::Cleared);
-                    f.owner = f.owner.or(st.active.as_ref().and_then(|a| a.owner));
-                    st.active = None;
+                    // Cleared about what was raised (its GPU, owner and the others it named): a
+                    // job's measurement may come from another of its GPUs by now.
+                    let Some(mut f) = st.active.take() else {
+                        return;
+                    };
+                    f.state = FindingState::Cleared;
+                    f.value = v;
+                    f.t = t;
+                    f.detail = m.detail.clone();
                     st.readings.clear();
                     out.push(f);
                 }
@@ -880,13 +893,73 @@ mod tests {
         let mut s = Series::default();
         assert_eq!(s.push(0.0, 100), None);
         assert_eq!(s.push(10.0, 101), None, "span too short for a rate");
-        assert_eq!(s.push(30.0, 110), Some(20.0));
+        // Over the whole 30 s: 20 a minute; over the last 20 s (9 events): 27, the one given.
+        assert_eq!(s.push(30.0, 110), Some(27.0));
         assert_eq!(s.push(60.0, 5), None, "went down: reset, no rate");
         assert_eq!(s.push(90.0, 5), Some(0.0));
         assert_eq!(
             s.push(200.0, 10),
             Some(5.0 * 60.0 / 110.0),
             "one reading older than the horizon is kept"
+        );
+    }
+
+    fn rank(gpu: u32, pid: u32, gib: u64) -> ClientSample {
+        ClientSample {
+            gpu,
+            pid,
+            slot: None,
+            mem_used_bytes: Some(gib << 30),
+            sm_util: None,
+            owner: Some(Owner {
+                job: 10,
+                step: 0,
+                task: pid,
+                uid: 1000,
+            }),
+            thread_pct: None,
+            mem_limit_bytes: None,
+        }
+    }
+
+    /// A finding is cleared about what it was raised about: a job's memory skew raised on the
+    /// GPU of its largest rank (1) is cleared naming GPU 1, though by then the largest rank (by a
+    /// little) is the one on GPU 0. Before, the clear named GPU 0.
+    #[test]
+    fn a_finding_is_cleared_naming_the_gpu_it_was_raised_on() {
+        let rule = crate::rules::RULES
+            .iter()
+            .find(|r| r.id == RuleId::MemoryImbalance)
+            .unwrap();
+        let mut d = Detector::new(vec![*rule]);
+        let mut all = Vec::new();
+        let mut t = 0.0;
+        let mut run = |d: &mut Detector, ranks: [(u32, u64); 2], until: f64, t: &mut f64| {
+            while *t < until {
+                let tick = Tick {
+                    t: *t,
+                    gpus: Vec::new(),
+                    clients: ranks
+                        .iter()
+                        .map(|&(g, gib)| rank(g, 100 + g, gib))
+                        .collect(),
+                    nics: Vec::new(),
+                };
+                all.extend(d.observe(&tick));
+                *t += 1.0;
+            }
+        };
+        run(&mut d, [(0, 10), (1, 40)], 60.0, &mut t);
+        run(&mut d, [(0, 21), (1, 20)], 300.0, &mut t);
+        let states: Vec<(FindingState, Option<u32>)> =
+            all.iter().map(|f| (f.state, f.gpu)).collect();
+        assert_eq!(
+            states,
+            vec![
+                (FindingState::Raised, Some(1)),
+                (FindingState::Cleared, Some(1))
+            ],
+            "{all:#?}"
         );
     }
 

@@ -180,7 +180,9 @@ pub static RULES: &[Rule] = &[
         clear: -8.0,
         window_s: 10.0,
         clear_s: 120.0,
-        duty: 0.4,
+        // A quarter of the readings: a GPU at its threshold reads above it about half the time
+        // (sensor noise), and flaps on top of that; healthy GPUs stay far below it.
+        duty: 0.25,
         what: "GPU within 3 °C of its slowdown temperature",
         source: "NVML temperature threshold SLOWDOWN; DCGM THERMAL watch (1 min of data)",
     },
