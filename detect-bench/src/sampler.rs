@@ -15,6 +15,9 @@ pub struct Sampling {
     /// Whether NIC transmit discards (congestion) are counted apart from errors; before, the NIC
     /// reader summed them into `errors`.
     pub discards_apart: bool,
+    /// Whether the row-remap pending/failure flags are read every round (two NVML field values)
+    /// rather than with the slow counters.
+    pub remap_fast: bool,
 }
 
 impl Sampling {
@@ -23,12 +26,14 @@ impl Sampling {
         interval_s: 5.0,
         slow_every: 12,
         discards_apart: false,
+        remap_fast: false,
     };
     /// The agent's defaults now: 1 s rounds of the cheap fields, slow counters every 60 s.
     pub const FAST: Sampling = Sampling {
         interval_s: 1.0,
         slow_every: 60,
         discards_apart: true,
+        remap_fast: true,
     };
 }
 
@@ -103,6 +108,10 @@ impl Sampler {
                 for (k, v) in sl {
                     o.insert(k.clone(), v.clone());
                 }
+            }
+            if let (true, Some(o)) = (self.sampling.remap_fast, s.as_object_mut()) {
+                o.insert("remap_pending".into(), json!(g.remap_pending));
+                o.insert("remap_failure".into(), json!(false));
             }
             gpus.push(s);
         }

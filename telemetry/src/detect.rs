@@ -777,16 +777,14 @@ impl Detector {
 
     fn server_saturated(&mut self, tick: &Tick) -> Vec<Measured> {
         let mut servers: BTreeMap<(u32, u32), BTreeSet<Owner>> = BTreeMap::new();
-        // Per server: whether its clients' thread limits divide the GPU (each set, <= 100 %).
-        let mut divided: BTreeMap<(u32, u32), (bool, u32)> = BTreeMap::new();
+        // Per server: whether every client has a thread limit (`--mps-threads`): none can then
+        // take more than its share, so a saturated GPU is the packing its users asked for.
+        let mut divided: BTreeMap<(u32, u32), bool> = BTreeMap::new();
         for c in &tick.clients {
             if let (Some(slot), Some(o)) = (c.slot, c.owner) {
                 servers.entry((c.gpu, slot)).or_default().insert(o);
-                let d = divided.entry((c.gpu, slot)).or_insert((true, 0));
-                match c.thread_pct {
-                    Some(p) => d.1 += u32::from(p),
-                    None => d.0 = false,
-                }
+                let d = divided.entry((c.gpu, slot)).or_insert(true);
+                *d &= c.thread_pct.is_some_and(|p| p < 100);
             }
         }
         let keys: Vec<(u32, u32)> = servers.keys().copied().collect();
@@ -796,9 +794,7 @@ impl Detector {
                 let jobs: BTreeSet<u32> = owners.iter().map(|o| o.job).collect();
                 let alone = keys.iter().all(|k| k.0 != gpu || k.1 == slot);
                 let util = tick.gpu(gpu).and_then(|s| s.util);
-                let intended = divided
-                    .get(&(gpu, slot))
-                    .is_some_and(|(all, sum)| *all && *sum <= 100);
+                let intended = divided.get(&(gpu, slot)).is_some_and(|all| *all);
                 let v = match (jobs.len() >= 2 && !intended, alone) {
                     (false, _) => Some(0.0),
                     // Other servers time-slice the GPU too: its utilization is not this one's.

@@ -416,7 +416,7 @@ pub static RULES: &[Rule] = &[
         window_s: 20.0,
         clear_s: 60.0,
         duty: 0.4,
-        what: "an MPS server shared by several jobs keeps the GPU saturated: one may starve the others",
+        what: "an MPS server shared by several jobs keeps the GPU saturated and a client has no --mps-threads limit: it may starve the others (all limited: the packing asked for)",
         source: "measured on an H200: a bf16 GEMM beside a small-kernel client cut its rate 14x \
                  (72.7k -> 4.9k/s, p99 23 us -> 1.6 ms); NVML gives no per-client utilization under \
                  MPS, so the saturated shared server is the signal; limit with --mps-threads",
