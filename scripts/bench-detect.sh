@@ -31,7 +31,7 @@ cp -r "$here/detect-bench" "$w/old/"
 # the telemetry crate are there already).
 sed -i 's/^members = \[/members = ["detect-bench", /' "$w/old/Cargo.toml"
 CARGO_TARGET_DIR="$here/target/bench-detect-old" \
-  cargo build --release -q -p mpsr-detect-bench --manifest-path "$w/old/Cargo.toml"
+  cargo build --release -q -p mpsr-detect-bench --bin mpsr-detect-bench --manifest-path "$w/old/Cargo.toml"
 old_bin="$here/target/bench-detect-old/release/mpsr-detect-bench"
 
 echo

@@ -1,4 +1,4 @@
-//! `mpsr-detect-bench [--hours H] [--seeds N] [--sampling v0.2|fast] [--tsv] [--misses] [--cases] [--rules]`: runs the labelled
+//! `mpsr-detect-bench [--hours H] [--seeds N] [--sampling v0.2|fast] [--tsv] [--misses] [--cases]`: runs the labelled
 //! cases through this build's detector and default rules and prints, per rule, recall (all cases,
 //! and those lasting >= 30 s at >= 50 % duty), precision, time to detect p50/p95 and false alarms
 //! per node-day. SIMULATED series: see the crate's documentation.
@@ -7,15 +7,6 @@ use mpsr_detect_bench::cases::{catalogue, Scale};
 use mpsr_detect_bench::sampler::Sampling;
 use mpsr_detect_bench::score::{percentile, score};
 use mpsr_telemetry::{Detector, RULES};
-
-/// A threshold as people read it (`> 0` for the smallest positive number).
-fn num(v: f64) -> String {
-    if v > 0.0 && v < 1e-9 {
-        "> 0".into()
-    } else {
-        format!("{v}")
-    }
-}
 
 fn main() {
     let mut hours = 72.0;
@@ -44,26 +35,6 @@ fn main() {
             "--tsv" => tsv = true,
             "--misses" => misses = true,
             "--cases" => per_case = true,
-            "--rules" => {
-                // The default rules as a Markdown table (README's is made from it).
-                println!("| rule | severity | raised when | raise / clear | window / clear | evidence | source |");
-                println!("|---|---|---|---|---|---|---|");
-                for r in RULES {
-                    println!(
-                        "| {} | {:?} | {} | {} / {} | {} s / {} s | {:.0} % of readings | {} |",
-                        r.name,
-                        r.severity,
-                        r.what,
-                        num(r.raise),
-                        num(r.clear),
-                        r.window_s,
-                        r.clear_s,
-                        r.duty * 100.0,
-                        r.source.split_whitespace().collect::<Vec<_>>().join(" ")
-                    );
-                }
-                return;
-            }
             other => {
                 eprintln!("unknown argument {other}");
                 std::process::exit(2);

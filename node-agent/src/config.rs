@@ -100,6 +100,8 @@ pub struct TelemetryConfig {
     /// Read NIC port counters under `sysfs`.
     pub nic: bool,
     pub sysfs: PathBuf,
+    /// Where applications' step files are (`mpsr_step()`; the library's `MPSR_STEP_DIR`).
+    pub step_dir: PathBuf,
     /// Findings kept for events and job reports.
     pub findings_kept: usize,
     /// Per-rule changes: `[telemetry.rules.<name>]` enabled, raise, clear, window_s, clear_s.
@@ -122,6 +124,7 @@ impl Default for TelemetryConfig {
             drain_on_hardware: true,
             nic: true,
             sysfs: "/sys".into(),
+            step_dir: mpsr_telemetry::steps::DEFAULT_DIR.into(),
             findings_kept: 1_000,
             rules: BTreeMap::new(),
         }

@@ -171,6 +171,8 @@ pub struct Detector {
     series: BTreeMap<(RuleId, Subject), Series>,
     /// Each GPU's memory used over the last `MEM_GROWTH_S` (near_oom: full *and* growing).
     mem_history: BTreeMap<u32, VecDeque<(f64, u64)>>,
+    /// Per (gpu, pid): its step times of the last minutes (the spike rule's baseline).
+    step_history: BTreeMap<(u32, u32), VecDeque<(f64, f64)>>,
 }
 
 /// How far back a GPU's memory growth is looked for.
@@ -178,6 +180,19 @@ const MEM_GROWTH_S: f64 = 600.0;
 
 /// A rank below this share of its peers' utilization is paused (a checkpoint), not slow.
 const PAUSED: f64 = 0.15;
+
+/// A step-time baseline covers this long, leaves out the last this-many seconds, and needs this
+/// many rounds.
+const STEP_BASELINE_S: f64 = 300.0;
+const STEP_BASELINE_GAP_S: f64 = 30.0;
+const STEP_BASELINE_MIN: usize = 20;
+
+/// A rank's step time now: its last steps' median, or how long the step under way has run when
+/// that is longer (a stall shows before the step ends).
+fn step_now(c: &ClientSample) -> Option<f64> {
+    let s = c.steps?;
+    Some(s.step_s?.max(s.age_s))
+}
 
 pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
@@ -236,6 +251,7 @@ impl Detector {
             states: BTreeMap::new(),
             series: BTreeMap::new(),
             mem_history: BTreeMap::new(),
+            step_history: BTreeMap::new(),
         }
     }
 
@@ -400,6 +416,8 @@ impl Detector {
             Measure::ServerSaturated => self.server_saturated(tick),
             Measure::IdleAllocation => self.idle_allocation(tick),
             Measure::NicErrorRate => self.nic_error_rate(rule, tick),
+            Measure::StepVsPeers => self.step_vs_peers(tick),
+            Measure::StepVsBaseline => self.step_vs_baseline(tick),
         }
     }
 
@@ -859,6 +877,80 @@ impl Detector {
             .collect()
     }
 
+    fn step_vs_peers(&mut self, tick: &Tick) -> Vec<Measured> {
+        let ranks: Vec<(&ClientSample, Owner, f64)> = tick
+            .clients
+            .iter()
+            .filter_map(|c| Some((c, c.owner?, step_now(c)?)))
+            .collect();
+        ranks
+            .iter()
+            .map(|&(c, o, s)| {
+                let peers: Vec<f64> = ranks
+                    .iter()
+                    .filter(|(p, po, _)| po.job == o.job && p.pid != c.pid)
+                    .map(|r| r.2)
+                    .collect();
+                let m = median(peers).filter(|m| *m > 0.0);
+                Measured {
+                    subject: Subject::Client {
+                        gpu: c.gpu,
+                        pid: c.pid,
+                    },
+                    value: m.map(|m| s / m),
+                    gpu: Some(c.gpu),
+                    owner: Some(o),
+                    others: Vec::new(),
+                    detail: format!(
+                        "step {:.1} ms vs its peers' median {:.1} ms",
+                        s * 1e3,
+                        m.unwrap_or(0.0) * 1e3
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    fn step_vs_baseline(&mut self, tick: &Tick) -> Vec<Measured> {
+        let t = tick.t;
+        let mut out = Vec::new();
+        for c in &tick.clients {
+            let Some(s) = step_now(c) else { continue };
+            let h = self.step_history.entry((c.gpu, c.pid)).or_default();
+            // The baseline: its steps of the 5 minutes before, not the last window's (a spike
+            // must not raise its own baseline).
+            let base: Vec<f64> = h
+                .iter()
+                .filter(|(at, _)| t - at >= STEP_BASELINE_GAP_S)
+                .map(|(_, v)| *v)
+                .collect();
+            let enough = base.len() >= STEP_BASELINE_MIN;
+            let b = median(base).filter(|b| *b > 0.0 && enough);
+            h.push_back((t, s));
+            while h.front().is_some_and(|(at, _)| t - at > STEP_BASELINE_S) {
+                h.pop_front();
+            }
+            out.push(Measured {
+                subject: Subject::Client {
+                    gpu: c.gpu,
+                    pid: c.pid,
+                },
+                value: b.map(|b| s / b),
+                gpu: Some(c.gpu),
+                owner: c.owner,
+                others: Vec::new(),
+                detail: format!(
+                    "step {:.1} ms vs its median {:.1} ms",
+                    s * 1e3,
+                    b.unwrap_or(0.0) * 1e3
+                ),
+            });
+        }
+        let live: BTreeSet<(u32, u32)> = tick.clients.iter().map(|c| (c.gpu, c.pid)).collect();
+        self.step_history.retain(|k, _| live.contains(k));
+        out
+    }
+
     fn nic_error_rate(&mut self, rule: &Rule, tick: &Tick) -> Vec<Measured> {
         let nics = tick.nics.clone();
         nics.iter()
@@ -915,6 +1007,7 @@ mod tests {
             }),
             thread_pct: None,
             mem_limit_bytes: None,
+            steps: None,
         }
     }
 
@@ -956,6 +1049,115 @@ mod tests {
                 (FindingState::Cleared, Some(1))
             ],
             "{all:#?}"
+        );
+    }
+
+    fn stepping(pid: u32, job: u32, step_s: f64, age_s: f64) -> ClientSample {
+        ClientSample {
+            steps: Some(crate::steps::StepSample {
+                steps: 100,
+                step_s: Some(step_s),
+                age_s,
+            }),
+            owner: Some(Owner {
+                job,
+                step: 0,
+                task: pid,
+                uid: 1000,
+            }),
+            ..rank(pid - 100, pid, 10)
+        }
+    }
+
+    fn step_rules() -> Detector {
+        Detector::new(
+            crate::rules::RULES
+                .iter()
+                .filter(|r| matches!(r.id, RuleId::StepSkew | RuleId::StepSpike))
+                .copied()
+                .collect(),
+        )
+    }
+
+    /// Step times (mpsr_step): a rank 1.5x slower than its job's three others is skewed; a rank
+    /// whose step time triples is a spike, and so is one whose step has not ended for 3 s (a
+    /// host-side stall); jitter of ±20 % and a job whose ranks all agree raise nothing.
+    #[test]
+    fn step_times_find_a_skewed_rank_a_spike_and_a_stall_and_nothing_in_jitter() {
+        let run = |f: &dyn Fn(f64, u32) -> (f64, f64)| {
+            let mut d = step_rules();
+            let mut out = Vec::new();
+            for i in 0..400 {
+                let t = i as f64;
+                let clients = (0..4u32)
+                    .map(|k| {
+                        let (s, age) = f(t, k);
+                        stepping(100 + k, 7, s, age)
+                    })
+                    .collect();
+                out.extend(d.observe(&Tick {
+                    t,
+                    gpus: Vec::new(),
+                    clients,
+                    nics: Vec::new(),
+                }));
+            }
+            out.into_iter()
+                .filter(|f| f.state == FindingState::Raised)
+                .map(|f| (f.rule, f.subject, f.t))
+                .collect::<Vec<_>>()
+        };
+        let jitter = |t: f64, k: u32| 0.1 * (1.0 + 0.2 * ((t * 1.7 + k as f64 * 2.3).sin()));
+        assert!(run(&|t, k| (jitter(t, k), 0.05)).is_empty());
+        let skew = run(&|t, k| {
+            let s = jitter(t, k);
+            (if k == 2 && t >= 100.0 { s * 1.5 } else { s }, 0.05)
+        });
+        assert_eq!(skew.len(), 1, "{skew:?}");
+        assert_eq!(
+            (skew[0].0, skew[0].1.clone()),
+            (RuleId::StepSkew, Subject::Client { gpu: 2, pid: 102 })
+        );
+        assert!(
+            skew[0].2 - 100.0 <= 15.0,
+            "found after {} s",
+            skew[0].2 - 100.0
+        );
+        let spike = run(&|t, k| {
+            let s = jitter(t, k);
+            (
+                if (350.0..360.0).contains(&t) {
+                    s * 3.0
+                } else {
+                    s
+                },
+                0.05,
+            )
+        });
+        assert!(
+            (0..4).all(|k| spike.iter().any(|f| f.0 == RuleId::StepSpike
+                && f.1
+                    == Subject::Client {
+                        gpu: k,
+                        pid: 100 + k
+                    }
+                && (350.0..355.0).contains(&f.2))),
+            "{spike:?}"
+        );
+        let stall = run(&|t, k| {
+            let s = jitter(t, k);
+            let age = if k == 1 && t >= 350.0 {
+                t - 349.0
+            } else {
+                0.05
+            };
+            (s, age)
+        });
+        assert!(
+            stall.iter().any(|f| f.0 == RuleId::StepSpike
+                && f.1 == Subject::Client { gpu: 1, pid: 101 }
+                && f.2 <= 352.0),
+            "{stall:?}"
         );
     }
 

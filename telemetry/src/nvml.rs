@@ -244,6 +244,7 @@ impl NvmlSource {
                 owner: None,
                 thread_pct: None,
                 mem_limit_bytes: None,
+                steps: None,
             });
         }
     }

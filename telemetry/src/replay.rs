@@ -193,6 +193,7 @@ impl Scenario {
                     owner: r.owner,
                     thread_pct: None,
                     mem_limit_bytes: None,
+                    steps: None,
                 });
             }
         }

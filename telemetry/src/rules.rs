@@ -31,6 +31,8 @@ pub enum RuleId {
     IdleAllocation,
     NicErrors,
     NodeSlowdown,
+    StepSkew,
+    StepSpike,
 }
 
 impl RuleId {
@@ -97,6 +99,10 @@ pub enum Measure {
     IdleAllocation,
     /// Per NIC port: errors per minute over the last minute.
     NicErrorRate,
+    /// Per rank marking steps: its step time over its job's other ranks' median.
+    StepVsPeers,
+    /// Per rank marking steps: its step time over its own recent median.
+    StepVsBaseline,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -466,6 +472,35 @@ pub static RULES: &[Rule] = &[
                the whole node is slow (peers on the node cannot show it)",
         source: "arXiv 2509.18114 (node-level skews); a busy GPU runs at its boost clock unless a \
                  clock-event reason says why not (NVML); threshold ours",
+    },
+    Rule {
+        id: RuleId::StepSkew,
+        name: "step_skew",
+        severity: Severity::Advisory,
+        measure: Measure::StepVsPeers,
+        direction: Direction::Above,
+        // 1.33x the peers' step time: the straggler rule's 0.75x pace.
+        raise: 1.33,
+        clear: 1.15,
+        window_s: 20.0,
+        clear_s: 60.0,
+        duty: 0.4,
+        what: "a rank's step time (mpsr_step) 1.33x its job's other ranks' median or more (a step still running counts as long as it has run)",
+        source: "arXiv 2509.18114 (per-rank skew in multi-GPU inference); the straggler rule's 0.75x pace",
+    },
+    Rule {
+        id: RuleId::StepSpike,
+        name: "step_spike",
+        severity: Severity::Advisory,
+        measure: Measure::StepVsBaseline,
+        direction: Direction::Above,
+        raise: 2.0,
+        clear: 1.3,
+        window_s: 5.0,
+        clear_s: 30.0,
+        duty: 0.4,
+        what: "a rank's step time twice its own median of the 5 minutes before or more: a latency spike, or a host-side stall (data loader, CPU) while no step ends",
+        source: "arXiv 2509.18114 (latency spikes: TTFT, per-token, iteration time); threshold ours",
     },
 ];
 

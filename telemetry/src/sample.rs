@@ -135,6 +135,9 @@ pub struct ClientSample {
     /// Its job's `--mps-mem`, where set.
     #[serde(default)]
     pub mem_limit_bytes: Option<u64>,
+    /// Its step times, where the application marks steps (`mpsr_step()`).
+    #[serde(default)]
+    pub steps: Option<crate::steps::StepSample>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
