@@ -100,6 +100,8 @@ pub struct TelemetryConfig {
     /// Read NIC port counters under `sysfs`.
     pub nic: bool,
     pub sysfs: PathBuf,
+    /// Where applications' step files are (`mpsr_step()`; the library's `MPSR_STEP_DIR`).
+    pub step_dir: PathBuf,
     /// Findings kept for events and job reports.
     pub findings_kept: usize,
     /// Per-rule changes: `[telemetry.rules.<name>]` enabled, raise, clear, window_s, clear_s.
@@ -110,14 +112,19 @@ impl Default for TelemetryConfig {
     fn default() -> Self {
         TelemetryConfig {
             enabled: true,
-            interval_ms: 5_000,
-            slow_every: 12,
+            // 1 s rounds of the cheap getters (clock-event bits, temperature, ECC, link state: the
+            // hardware-state rules see a change within seconds); the counters that cost ms per GPU
+            // (energy, process utilization, replays, field values) once a minute. Measured cost:
+            // BENCHMARKS.md (telemetry).
+            interval_ms: 1_000,
+            slow_every: 60,
             listen: String::new(),
             allow_from: vec!["127.0.0.1/32".into(), "::1/128".into()],
             bearer_token_file: PathBuf::new(),
             drain_on_hardware: true,
             nic: true,
             sysfs: "/sys".into(),
+            step_dir: mpsr_telemetry::steps::DEFAULT_DIR.into(),
             findings_kept: 1_000,
             rules: BTreeMap::new(),
         }

@@ -42,13 +42,20 @@ impl Agent {
         let started = Instant::now();
         let mut round: u64 = 0;
         let mut nics = Vec::new();
+        let mut steps = mpsr_telemetry::steps::StepReader::new(&cfg.step_dir);
         loop {
             let t0 = Instant::now();
             let slow = round.is_multiple_of(cfg.slow_every as u64);
             let attached = self.attached();
             let (gpus, mut clients) = source.read(slow, &attached);
             self.own(&mut clients, &attached);
-            if cfg.nic && slow {
+            // Step times of the processes that mark them, read as their job's user wrote them.
+            for c in &mut clients {
+                c.steps = c.owner.and_then(|o| steps.read(c.pid, o.uid));
+            }
+            steps.retain(&clients.iter().map(|c| c.pid).collect());
+            // A few sysfs files per port: every round (an error burst is seen in seconds).
+            if cfg.nic {
                 nics = mpsr_telemetry::nic::read(&cfg.sysfs);
             }
             let tick = Tick {
@@ -108,6 +115,9 @@ impl Agent {
                 task: t.pid,
                 uid: t.uid,
             });
+            // The job's own share of the GPU: what it may use is intended, not contention.
+            c.thread_pct = task.and_then(|t| t.threads_pct);
+            c.mem_limit_bytes = task.and_then(|t| t.mem_limit);
             // The server it is a client of: the daemon's list (sim), else its task's domain.
             c.slot = c
                 .slot

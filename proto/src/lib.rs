@@ -604,6 +604,12 @@ pub enum Response {
         /// Pathology findings, most recent last.
         #[serde(default)]
         pathologies: Vec<PathologyRecord>,
+        /// The oldest of those asked for that did not fit in one reply (its size is bounded):
+        /// never dropped silently.
+        #[serde(default)]
+        events_left_out: u32,
+        #[serde(default)]
+        pathologies_left_out: u32,
     },
     JobReport(JobReport),
     Telemetry(Box<TelemetryReply>),

@@ -45,6 +45,15 @@ int mpsr_state_release(const char *name);
  * memory as the fault left it: a write the fault interrupted may be half done (use read-only
  * state, or write a generation counter last and check it after the takeover). */
 int mpsr_state_ready(void);
+/* Step time: call once at the end of every step of the application's loop (a training
+ * iteration, a decode step, a served batch); the first call starts the clock. The agent reads the
+ * step times each telemetry round: per-rank step-time skew against the job's other ranks, latency
+ * spikes against the rank's own recent steps, in /metrics (mpsr_rank_step_seconds) and the job's
+ * report. A call costs a clock read and a few stores (the first creates /dev/shm/mpsr-steps.<pid>,
+ * or under $MPSR_STEP_DIR). Works outside a protected job too (nothing reads it then). */
+int mpsr_step(void);
+/* Removes this process's step file; call at a clean exit (the agent removes a dead process's). */
+void mpsr_step_finish(void);
 /* This thread's last error message. */
 const char *mpsr_state_last_error(void);
 

@@ -40,6 +40,10 @@ def _load():
         lib.mpsr_state_last_error.restype = ctypes.c_char_p
         lib.mpsr_state_ready.argtypes = []
         lib.mpsr_state_ready.restype = ctypes.c_int
+        lib.mpsr_step.argtypes = []
+        lib.mpsr_step.restype = ctypes.c_int
+        lib.mpsr_step_finish.argtypes = []
+        lib.mpsr_step_finish.restype = None
         _lib = lib
     return _lib
 
@@ -64,6 +68,17 @@ def ready():
     if rc < 0:
         _check(rc)
     return "takeover" if rc == 1 else "primary"
+
+
+def step():
+    """Marks the end of one step (a training iteration, a decode step, a served batch): the agent
+    reads per-rank step times for skew and latency spikes. The first call starts the clock."""
+    _check(_load().mpsr_step())
+
+
+def step_finish():
+    """Removes this process's step file (at a clean exit)."""
+    _load().mpsr_step_finish()
 
 
 def detach(name):

@@ -6,6 +6,8 @@
 //! The keeper is found through `MPSR_KEEPER_SOCKET` (set by the SPANK plugin). C ABI: see
 //! include/mpsr_state.h; Python: python/mpsr_state.py.
 
+mod steps;
+
 use mpsr_proto::keeper::{KeeperRequest, KeeperResponse, MemKind, Origin};
 use mpsr_proto::{fdpass, read_frame, write_frame};
 use std::collections::BTreeMap;
@@ -419,6 +421,18 @@ pub extern "C" fn mpsr_state_ready() -> c_int {
         Ok(Err(e)) => fail(StateError::Unavailable(format!("standby release: {e}"))),
         Err(_) => fail(StateError::Protocol("internal error (a bug)".into())),
     }
+}
+
+/// See mpsr_state.h: marks the end of one step (iteration, decode step) of this process.
+#[no_mangle]
+pub extern "C" fn mpsr_step() -> c_int {
+    guarded(steps::step)
+}
+
+/// See mpsr_state.h: removes this process's step file (at a clean exit).
+#[no_mangle]
+pub extern "C" fn mpsr_step_finish() {
+    let _ = std::panic::catch_unwind(steps::finish);
 }
 
 /// The message of this thread's last error ("" if none). Valid until the next call on the thread.

@@ -16,6 +16,7 @@ pub mod sample;
 pub mod skew;
 pub mod snapshot;
 pub mod source;
+pub mod steps;
 
 pub use detect::{Detector, Finding, FindingState, Subject};
 pub use rules::{Rule, RuleId, Severity, RULES};

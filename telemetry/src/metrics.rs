@@ -427,6 +427,24 @@ fn client_and_job_families(out: &mut Fams, s: &Snapshot, uuid_of: &BTreeMap<u32,
         // A job's rank: what `mpsrctl job-skew` and the straggler rule compare (the process's
         // own utilization, else its GPU's when it is the GPU's only client: under MPS NVML
         // gives a client none of its own).
+        if let (Some(_), Some(st)) = (c.owner, c.steps) {
+            if let Some(step) = st.step_s {
+                out.add(
+                    "mpsr_rank_step_seconds",
+                    "A job rank's step time (median of its last steps; the application marks steps with mpsr_step)",
+                    false,
+                    labels.clone(),
+                    step,
+                );
+            }
+            out.add(
+                "mpsr_rank_steps",
+                "Steps a job rank has marked (mpsr_step)",
+                true,
+                labels.clone(),
+                st.steps as f64,
+            );
+        }
         if let (Some(_), Some(u)) = (c.owner, crate::detect::client_util(&s.tick, c)) {
             out.add(
                 "mpsr_rank_utilization_ratio",
@@ -583,6 +601,9 @@ mod tests {
                         task: 40,
                         uid: 1000,
                     }),
+                    thread_pct: None,
+                    mem_limit_bytes: None,
+                    steps: None,
                 }],
                 nics: vec![],
             },

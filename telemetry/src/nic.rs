@@ -45,11 +45,12 @@ pub fn read(sys: &Path) -> Vec<NicSample> {
                     &[
                         "symbol_error",
                         "port_rcv_errors",
-                        "port_xmit_discards",
                         "link_downed",
                         "link_error_recovery",
                     ],
                 ),
+                // Congestion (a full transmit queue), not a broken link.
+                discards: read_u64(&c.join("port_xmit_discards")),
             });
         }
     }
@@ -64,6 +65,7 @@ pub fn read(sys: &Path) -> Vec<NicSample> {
             rx_bytes: read_u64(&s.join("rx_bytes")),
             tx_bytes: read_u64(&s.join("tx_bytes")),
             errors: sum(&s, &["rx_errors", "tx_errors"]),
+            discards: read_u64(&s.join("tx_dropped")),
         });
     }
     out

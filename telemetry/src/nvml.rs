@@ -31,6 +31,18 @@ pub struct NvmlSource {
     util: BTreeMap<u32, (BTreeMap<u32, f64>, bool)>,
 }
 
+/// A field value as a count; `None` when NVML gave none for this field.
+fn field_u64<E>(
+    r: Result<nvml_wrapper::struct_wrappers::device::FieldValueSample, E>,
+) -> Option<u64> {
+    match r.ok()?.value.ok()? {
+        SampleValue::U32(x) => Some(x as u64),
+        SampleValue::U64(x) => Some(x),
+        SampleValue::I64(x) => u64::try_from(x).ok(),
+        SampleValue::F64(x) => (x >= 0.0).then_some(x as u64),
+    }
+}
+
 /// The MPS server process: NVML lists it as a compute process and credits it with all its
 /// clients' utilization (measured, driver 580); it is no job's client.
 fn is_mps_server(pid: u32) -> bool {
@@ -98,6 +110,16 @@ impl NvmlSource {
             .ok();
         s.pcie_gen = d.current_pcie_link_gen().ok();
         s.pcie_width = d.current_pcie_link_width().ok();
+        // Row-remap flags every round (two field values): a pending remap needs a reset now.
+        let flags = [NVML_FI_DEV_REMAPPED_PENDING, NVML_FI_DEV_REMAPPED_FAILURE].map(FieldId);
+        if let Ok(v) = d.field_values_for(&flags) {
+            let v: Vec<Option<bool>> = v
+                .into_iter()
+                .map(|r| field_u64(r).map(|x| x != 0))
+                .collect();
+            s.remap_pending = v[0];
+            s.remap_failure = v[1];
+        }
         self.gpm(gpu, d, &mut s);
         Ok(s)
     }
@@ -150,15 +172,7 @@ impl NvmlSource {
         ]
         .map(FieldId);
         let vals: Vec<Option<u64>> = match d.field_values_for(&ids) {
-            Ok(v) => v
-                .into_iter()
-                .map(|r| match r.ok()?.value.ok()? {
-                    SampleValue::U32(x) => Some(x as u64),
-                    SampleValue::U64(x) => Some(x),
-                    SampleValue::I64(x) => u64::try_from(x).ok(),
-                    SampleValue::F64(x) => (x >= 0.0).then_some(x as u64),
-                })
-                .collect(),
+            Ok(v) => v.into_iter().map(field_u64).collect(),
             Err(_) => vec![None; ids.len()],
         };
         s.remapped_rows_correctable = vals[0];
@@ -228,6 +242,9 @@ impl NvmlSource {
                     .copied()
                     .or((answered && idle).then_some(0.0)),
                 owner: None,
+                thread_pct: None,
+                mem_limit_bytes: None,
+                steps: None,
             });
         }
     }
@@ -280,7 +297,8 @@ fn merge_slow(s: &mut GpuSample, sl: &GpuSample) {
     s.violation_thermal_ns = sl.violation_thermal_ns;
     s.remapped_rows_correctable = sl.remapped_rows_correctable;
     s.remapped_rows_uncorrectable = sl.remapped_rows_uncorrectable;
-    s.remap_pending = sl.remap_pending;
-    s.remap_failure = sl.remap_failure;
+    // Read every round where NVML answers; the slow round's value only where it did not.
+    s.remap_pending = s.remap_pending.or(sl.remap_pending);
+    s.remap_failure = s.remap_failure.or(sl.remap_failure);
     s.nvlink_errors = sl.nvlink_errors;
 }

@@ -191,6 +191,9 @@ impl Scenario {
                     mem_used_bytes: Some(self.rank_mem(r, t)),
                     sm_util: self.per_client_util.then_some(u),
                     owner: r.owner,
+                    thread_pct: None,
+                    mem_limit_bytes: None,
+                    steps: None,
                 });
             }
         }
@@ -204,6 +207,7 @@ impl Scenario {
                 rx_bytes: Some((t * 1e9) as u64),
                 tx_bytes: Some((t * 1e9) as u64),
                 errors: Some(errs),
+                discards: Some(0),
             });
         }
         tick

@@ -30,6 +30,9 @@ pub enum RuleId {
     MpsContention,
     IdleAllocation,
     NicErrors,
+    NodeSlowdown,
+    StepSkew,
+    StepSpike,
 }
 
 impl RuleId {
@@ -67,24 +70,39 @@ pub enum Measure {
     PcieReplayBound,
     /// 1 while the GPU does not answer telemetry at all.
     GpuUnreadable,
-    /// A busy GPU's SM clock over the median clock of the node's other busy GPUs.
+    /// A busy GPU's SM clock over the median clock of the node's other busy GPUs, among GPUs
+    /// whose clocks no power or thermal management explains (no clock-event bit).
     ClockVsPeers,
-    /// Per rank: its utilization over the median of its job's other ranks on this node.
+    /// The node: the median over its busy GPUs of SM clock over maximum clock, where no
+    /// clock-event bit explains a lower clock (all GPUs slow at once).
+    NodeClockVsMax,
+    /// Per rank: its pace against its job's other ranks on this node: its utilization over
+    /// theirs (a rank near 0 is paused, e.g. writing a checkpoint, not slow), and, where every
+    /// rank reads busy, the peers' tensor activity over its own (peers that spin in a collective
+    /// waiting for a slow rank read 100 % busy too).
     RankUtilVsPeers,
     /// Per job: its largest rank's GPU memory over its smallest (1 when they differ by < 1 GiB).
     JobMemorySpread,
-    /// Per GPU: memory used over total, attributed to the client holding the most.
+    /// Per client with a memory limit (`--mps-mem`): its memory over its limit; per GPU: memory
+    /// used over total while it grew (by 1 GiB in 10 minutes: a server that preallocates 95 % and
+    /// holds it is intended use).
     MemoryUsed,
     /// Per client: its share of the SM utilization of all clients on its GPU, while the GPU is
     /// saturated (95 %) and clients of other jobs share it.
     GpuShare,
     /// Per MPS server: the GPU's utilization while clients of two or more jobs share that server
-    /// (and no other server on the GPU has clients); 0 with fewer jobs.
+    /// (and no other server on the GPU has clients) and their thread limits do not divide the GPU
+    /// (a client without `--mps-threads`, or limits adding up to more than 100 %); 0 otherwise:
+    /// packing under limits that divide the GPU is intended.
     ServerSaturated,
-    /// Per client: 1 while it holds at least 1 GiB and computes nothing.
+    /// Per job: 1 while every rank holds at least 1 GiB and computes nothing.
     IdleAllocation,
     /// Per NIC port: errors per minute over the last minute.
     NicErrorRate,
+    /// Per rank marking steps: its step time over its job's other ranks' median.
+    StepVsPeers,
+    /// Per rank marking steps: its step time over its own recent median.
+    StepVsBaseline,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +125,9 @@ pub struct Rule {
     pub clear: f64,
     pub window_s: f64,
     pub clear_s: f64,
+    /// Share of the readings in `window_s` that must be bad to raise (windowed evidence: a
+    /// condition that flaps at this duty cycle is found; one good reading restarts nothing).
+    pub duty: f64,
     /// What the finding means, for people.
     pub what: &'static str,
     /// Where the threshold comes from.
@@ -148,8 +169,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 0.5,
         clear: 0.5,
-        window_s: 60.0,
-        clear_s: 300.0,
+        window_s: 10.0,
+        clear_s: 120.0,
+        duty: 0.4,
         what: "clocks held down by the hardware (HW slowdown, HW thermal or power-brake clock events)",
         source: "NVML clocks-event reasons; DCGM THERMAL/POWER watches need 1 min of data; Azure HPC \
                  throttling check ignores GPU_IDLE and SW_POWER_CAP, so do we",
@@ -162,8 +184,11 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: -3.0,
         clear: -8.0,
-        window_s: 60.0,
-        clear_s: 300.0,
+        window_s: 10.0,
+        clear_s: 120.0,
+        // A quarter of the readings: a GPU at its threshold reads above it about half the time
+        // (sensor noise), and flaps on top of that; healthy GPUs stay far below it.
+        duty: 0.25,
         what: "GPU within 3 °C of its slowdown temperature",
         source: "NVML temperature threshold SLOWDOWN; DCGM THERMAL watch (1 min of data)",
     },
@@ -177,6 +202,7 @@ pub static RULES: &[Rule] = &[
         clear: f64::MIN_POSITIVE,
         window_s: 0.0,
         clear_s: 3600.0,
+        duty: 0.4,
         what: "uncorrectable ECC errors grew",
         source: "DCGM MEM watch: any DBE fails the GPU (Xid 48)",
     },
@@ -188,8 +214,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 10.0,
         clear: 1.0,
-        window_s: 60.0,
+        window_s: 0.0,
         clear_s: 600.0,
+        duty: 0.4,
         what: "corrected ECC errors at 10 per minute or more",
         source: "DCGM MAX_SBE_RATE 10 (DcgmGPUHardwareLimits.h)",
     },
@@ -203,6 +230,7 @@ pub static RULES: &[Rule] = &[
         clear: 0.5,
         window_s: 0.0,
         clear_s: 0.0,
+        duty: 0.4,
         what: "a row remap is pending: the GPU needs a reset",
         source: "nvmlDeviceGetRemappedRows isPending; DCGM Xid 63 WARN; Azure azure_gpu_ecc.nhc",
     },
@@ -216,6 +244,7 @@ pub static RULES: &[Rule] = &[
         clear: 0.5,
         window_s: 0.0,
         clear_s: 0.0,
+        duty: 0.4,
         what: "a row remap failed",
         source: "nvmlDeviceGetRemappedRows failureOccurred; DCGM Xid 64 FAIL",
     },
@@ -229,6 +258,7 @@ pub static RULES: &[Rule] = &[
         clear: 512.0,
         window_s: 0.0,
         clear_s: 0.0,
+        duty: 0.4,
         what: "512 or more rows remapped for uncorrectable errors",
         source: "DCGM MAX_ROW_REMAP_UNCORRECTABLE 512; Azure azure_gpu_ecc.nhc",
     },
@@ -240,8 +270,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 1.0,
         clear: 0.5,
-        window_s: 60.0,
+        window_s: 0.0,
         clear_s: 600.0,
+        duty: 0.4,
         what: "PCIe replays per minute above the link's BER bound",
         source: "DCGM PCIE health: ceil(lanes x per-lane rate), Gen1..6 = 0.15/0.3/0.48/0.96/1.92/3.84 per min",
     },
@@ -253,8 +284,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 0.5,
         clear: 0.5,
-        window_s: 60.0,
+        window_s: 5.0,
         clear_s: 60.0,
+        duty: 0.4,
         what: "PCIe link narrower than the GPU's maximum",
         source: "NVML current/max link width (the width does not change with load)",
     },
@@ -272,8 +304,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 0.5,
         clear: 0.5,
-        window_s: 120.0,
+        window_s: 15.0,
         clear_s: 60.0,
+        duty: 0.4,
         what: "PCIe link below its maximum generation while the GPU is busy",
         source: "NVML current/max link generation",
     },
@@ -285,8 +318,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 1.0,
         clear: 0.1,
-        window_s: 60.0,
+        window_s: 0.0,
         clear_s: 600.0,
+        duty: 0.4,
         what: "NVLink replay/recovery/CRC errors growing",
         source: "DCGM MAX_NVLINK_ERROR 1 (DcgmGPUHardwareLimits.h)",
     },
@@ -298,8 +332,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 0.5,
         clear: 0.5,
-        window_s: 30.0,
-        clear_s: 0.0,
+        window_s: 5.0,
+        clear_s: 10.0,
+        duty: 0.6,
         what: "NVML does not answer for this GPU (lost)",
         source: "NVML GpuLost; the fault path drains at once on Xid 79, this catches a silent loss",
     },
@@ -309,11 +344,12 @@ pub static RULES: &[Rule] = &[
         severity: Severity::Advisory,
         measure: Measure::ClockVsPeers,
         direction: Direction::Below,
-        raise: 0.85,
-        clear: 0.92,
-        window_s: 120.0,
-        clear_s: 120.0,
-        what: "busy GPU clocked 15 % or more below the node's other busy GPUs",
+        raise: 0.9,
+        clear: 0.95,
+        window_s: 20.0,
+        clear_s: 60.0,
+        duty: 0.4,
+        what: "busy GPU clocked 10 % or more below the node's other busy GPUs, no clock-event bit explaining it",
         source: "fail-slow detection by peer comparison (Falcon/Greyhound); threshold ours",
     },
     Rule {
@@ -322,12 +358,15 @@ pub static RULES: &[Rule] = &[
         severity: Severity::Advisory,
         measure: Measure::RankUtilVsPeers,
         direction: Direction::Below,
-        raise: 0.5,
-        clear: 0.7,
-        window_s: 60.0,
+        // 0.75, not 0.7: a rank at 0.7x reads around 0.7 with noise, half of it above a 0.7 line.
+        raise: 0.75,
+        clear: 0.85,
+        window_s: 20.0,
         clear_s: 60.0,
-        what: "rank at half or less of its peers' GPU utilization",
-        source: "nvidia-resiliency-ext straggler detection: relative score vs peers, 0.7 example threshold",
+        duty: 0.4,
+        what: "rank at 0.7x or less of its peers' pace (utilization, or tensor activity where the peers wait for it)",
+        source: "nvidia-resiliency-ext straggler detection: relative score vs peers, its 0.7 example \
+                 threshold; a rank below 0.15x is paused (a checkpoint), not slow",
     },
     Rule {
         id: RuleId::MemoryImbalance,
@@ -337,8 +376,9 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 1.5,
         clear: 1.25,
-        window_s: 60.0,
+        window_s: 20.0,
         clear_s: 60.0,
+        duty: 0.4,
         what: "a job's largest rank holds 1.5x the GPU memory of its smallest (and 1 GiB more)",
         source: "ours (uneven partitioning / KV cache skew, telemetry.md section 1)",
     },
@@ -351,8 +391,9 @@ pub static RULES: &[Rule] = &[
         raise: 0.95,
         clear: 0.90,
         window_s: 10.0,
-        clear_s: 30.0,
-        what: "GPU memory 95 % used",
+        clear_s: 60.0,
+        duty: 0.4,
+        what: "a client at 95 % of its own memory limit, or a GPU 95 % full and still growing",
         source: "ours",
     },
     Rule {
@@ -365,6 +406,7 @@ pub static RULES: &[Rule] = &[
         clear: 0.7,
         window_s: 30.0,
         clear_s: 30.0,
+        duty: 0.4,
         what: "one client takes 90 % of a saturated GPU shared with other jobs (they may be starved)",
         source: "ours; needs per-process utilization, which NVML gives for processes without MPS \
                  only (under MPS see mps_contention)",
@@ -377,9 +419,10 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 0.95,
         clear: 0.9,
-        window_s: 30.0,
-        clear_s: 30.0,
-        what: "an MPS server shared by several jobs keeps the GPU saturated: one may starve the others",
+        window_s: 20.0,
+        clear_s: 60.0,
+        duty: 0.4,
+        what: "an MPS server shared by several jobs keeps the GPU saturated and a client has no --mps-threads limit: it may starve the others (all limited: the packing asked for)",
         source: "measured on an H200: a bf16 GEMM beside a small-kernel client cut its rate 14x \
                  (72.7k -> 4.9k/s, p99 23 us -> 1.6 ms); NVML gives no per-client utilization under \
                  MPS, so the saturated shared server is the signal; limit with --mps-threads",
@@ -392,9 +435,10 @@ pub static RULES: &[Rule] = &[
         direction: Direction::Above,
         raise: 0.5,
         clear: 0.5,
-        window_s: 600.0,
+        window_s: 1800.0,
         clear_s: 60.0,
-        what: "client holds 1 GiB or more of GPU memory and has computed nothing for 10 minutes",
+        duty: 0.9,
+        what: "every rank of a job holds 1 GiB or more of GPU memory and has computed nothing for 30 minutes",
         source: "ours",
     },
     Rule {
@@ -403,12 +447,60 @@ pub static RULES: &[Rule] = &[
         severity: Severity::Advisory,
         measure: Measure::NicErrorRate,
         direction: Direction::Above,
-        raise: 1.0,
-        clear: 0.1,
-        window_s: 60.0,
+        raise: 3.0,
+        clear: 0.5,
+        window_s: 0.0,
         clear_s: 600.0,
-        what: "network port error counters growing",
-        source: "ours (IB/RoCE faults show as GPUs waiting in collectives, telemetry.md section 1)",
+        duty: 0.4,
+        what: "network port error counters growing at 3 per minute or more (congestion discards apart)",
+        source: "ours (IB/RoCE faults show as GPUs waiting in collectives, telemetry.md section 1); \
+                 3 events in 10 s are needed for a short-span rate, a few background errors an hour \
+                 never reach it; port_xmit_discards is congestion, not an error (kept apart)",
+    },
+    Rule {
+        id: RuleId::NodeSlowdown,
+        name: "node_slowdown",
+        severity: Severity::Advisory,
+        measure: Measure::NodeClockVsMax,
+        direction: Direction::Below,
+        raise: 0.9,
+        clear: 0.95,
+        window_s: 20.0,
+        clear_s: 60.0,
+        duty: 0.4,
+        what: "the node's busy GPUs clocked 10 % or more below their maximum with no clock-event bit: \
+               the whole node is slow (peers on the node cannot show it)",
+        source: "arXiv 2509.18114 (node-level skews); a busy GPU runs at its boost clock unless a \
+                 clock-event reason says why not (NVML); threshold ours",
+    },
+    Rule {
+        id: RuleId::StepSkew,
+        name: "step_skew",
+        severity: Severity::Advisory,
+        measure: Measure::StepVsPeers,
+        direction: Direction::Above,
+        // 1.33x the peers' step time: the straggler rule's 0.75x pace.
+        raise: 1.33,
+        clear: 1.15,
+        window_s: 20.0,
+        clear_s: 60.0,
+        duty: 0.4,
+        what: "a rank's step time (mpsr_step) 1.33x its job's other ranks' median or more (a step still running counts as long as it has run)",
+        source: "arXiv 2509.18114 (per-rank skew in multi-GPU inference); the straggler rule's 0.75x pace",
+    },
+    Rule {
+        id: RuleId::StepSpike,
+        name: "step_spike",
+        severity: Severity::Advisory,
+        measure: Measure::StepVsBaseline,
+        direction: Direction::Above,
+        raise: 2.0,
+        clear: 1.3,
+        window_s: 5.0,
+        clear_s: 30.0,
+        duty: 0.4,
+        what: "a rank's step time twice its own median of the 5 minutes before or more: a latency spike, or a host-side stall (data loader, CPU) while no step ends",
+        source: "arXiv 2509.18114 (latency spikes: TTFT, per-token, iteration time); threshold ours",
     },
 ];
 
@@ -435,6 +527,8 @@ pub struct Tuning {
     pub clear: Option<f64>,
     pub window_s: Option<f64>,
     pub clear_s: Option<f64>,
+    /// Share of bad readings in the window that raises (0..1].
+    pub duty: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -461,7 +555,10 @@ impl std::fmt::Display for TuningError {
                 "rule {rule}: `clear` must be on the good side of `raise` (or equal)"
             ),
             TuningError::Negative { rule } => {
-                write!(f, "rule {rule}: window_s and clear_s must be >= 0")
+                write!(
+                    f,
+                    "rule {rule}: window_s and clear_s must be >= 0, duty in (0, 1]"
+                )
             }
         }
     }
@@ -483,6 +580,7 @@ pub fn tuned<'a>(
         r.raise = t.raise.unwrap_or(r.raise);
         r.clear = t.clear.unwrap_or(r.clear);
         r.window_s = t.window_s.unwrap_or(r.window_s);
+        r.duty = t.duty.unwrap_or(r.duty);
         r.clear_s = t.clear_s.unwrap_or(r.clear_s);
         let ok = match r.direction {
             Direction::Above => r.clear <= r.raise,
@@ -490,6 +588,9 @@ pub fn tuned<'a>(
         };
         if !ok {
             return Err(TuningError::Hysteresis { rule: r.name });
+        }
+        if !(r.duty > 0.0 && r.duty <= 1.0) {
+            return Err(TuningError::Negative { rule: r.name });
         }
         if !(r.window_s >= 0.0 && r.clear_s >= 0.0) {
             return Err(TuningError::Negative { rule: r.name });

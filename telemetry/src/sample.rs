@@ -129,6 +129,15 @@ pub struct ClientSample {
     /// SM utilization NVML reports for this process (0..1); `None` where NVML gives none.
     pub sm_util: Option<f64>,
     pub owner: Option<Owner>,
+    /// Its job's `--mps-threads` (its intended share of the GPU), where set.
+    #[serde(default)]
+    pub thread_pct: Option<u8>,
+    /// Its job's `--mps-mem`, where set.
+    #[serde(default)]
+    pub mem_limit_bytes: Option<u64>,
+    /// Its step times, where the application marks steps (`mpsr_step()`).
+    #[serde(default)]
+    pub steps: Option<crate::steps::StepSample>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,8 +146,11 @@ pub struct NicSample {
     pub port: String,
     pub rx_bytes: Option<u64>,
     pub tx_bytes: Option<u64>,
-    /// Error counters summed (symbol, receive, transmit-discard, link-downed, rx/tx errors).
+    /// Error counters summed (symbol, receive, link-downed, rx/tx errors).
     pub errors: Option<u64>,
+    /// Transmit discards: congestion (a full queue), not a broken link; kept apart.
+    #[serde(default)]
+    pub discards: Option<u64>,
 }
 
 /// One round of telemetry. `t` is in seconds on a monotonic clock.

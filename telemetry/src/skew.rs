@@ -76,7 +76,7 @@ pub fn compare(views: &[JobView]) -> Vec<RankVerdict> {
     let raise = RULES
         .iter()
         .find(|r| r.id == RuleId::Straggler)
-        .map_or(0.5, |r| r.raise);
+        .map_or(0.75, |r| r.raise);
     let all: Vec<(&str, &RankView)> = views
         .iter()
         .flat_map(|v| v.ranks.iter().map(move |r| (v.node.as_str(), r)))

@@ -84,11 +84,13 @@ pub fn events(agent: &Agent, caller: Caller, limit: u32) -> Response {
     });
     // Both within one frame: findings get at most half of it, decisions the rest.
     let budget = mpsr_proto::MAX_FRAME - 1024;
-    let used = fit_frame(&mut pathologies, budget / 2);
-    fit_frame(&mut events, budget - used);
+    let (used, pathologies_left_out) = fit_frame(&mut pathologies, budget / 2);
+    let (_, events_left_out) = fit_frame(&mut events, budget - used);
     Response::Events {
         events,
         pathologies,
+        events_left_out,
+        pathologies_left_out,
     }
 }
 
@@ -176,12 +178,14 @@ fn newest<'a, T: 'a, U>(
 }
 
 /// Drops the oldest items until `v` serializes within `budget` bytes (one always stays); returns
-/// the size it serializes to.
-fn fit_frame<T: serde::Serialize>(v: &mut Vec<T>, budget: usize) -> usize {
+/// the size it serializes to and how many were dropped.
+fn fit_frame<T: serde::Serialize>(v: &mut Vec<T>, budget: usize) -> (usize, u32) {
     let size = |v: &Vec<T>| serde_json::to_vec(v).map_or(0, |b| b.len());
+    let mut dropped = 0;
     while v.len() > 1 && size(v) > budget {
         let drop_n = (v.len() / 10).max(1);
         v.drain(..drop_n);
+        dropped += drop_n as u32;
     }
-    size(v)
+    (size(v), dropped)
 }

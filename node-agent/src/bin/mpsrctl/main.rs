@@ -327,12 +327,20 @@ fn print_human(r: &Response) {
         Response::Events {
             events,
             pathologies,
+            events_left_out,
+            pathologies_left_out,
         } => {
             for e in events {
                 print_event(e);
             }
             for p in pathologies {
                 println!("pathology {p}");
+            }
+            if events_left_out + pathologies_left_out > 0 {
+                eprintln!(
+                    "mpsrctl: {events_left_out} older decision(s) and {pathologies_left_out} older finding(s) left out: one reply holds at most {} bytes; ask for fewer with --limit",
+                    mpsr_proto::MAX_FRAME
+                );
             }
         }
         Response::Telemetry(t) => print!("{}", top::render(t)),
