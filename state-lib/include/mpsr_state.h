@@ -48,10 +48,14 @@ int mpsr_state_ready(void);
 /* Step time: call once at the end of every step of the application's loop (a training
  * iteration, a decode step, a served batch); the first call starts the clock. The agent reads the
  * step times each telemetry round: per-rank step-time skew against the job's other ranks, latency
- * spikes against the rank's own recent steps, in /metrics (mpsr_rank_step_seconds) and the job's
+ * spikes against the rank's own recent steps (a step under way counts as long as it has run: a
+ * stall shows before it ends; see mpsr_step_idle), in /metrics (mpsr_rank_step_seconds) and the job's
  * report. A call costs a clock read and a few stores (the first creates /dev/shm/mpsr-steps.<pid>,
  * or under $MPSR_STEP_DIR). Works outside a protected job too (nothing reads it then). */
 int mpsr_step(void);
+/* No step is under way: call before waiting for requests, writing a checkpoint or evaluating, so
+ * the wait is neither a long step nor a stall; the next mpsr_step() starts the clock again. */
+int mpsr_step_idle(void);
 /* Removes this process's step file; call at a clean exit (the agent removes a dead process's). */
 void mpsr_step_finish(void);
 /* This thread's last error message. */

@@ -42,6 +42,8 @@ def _load():
         lib.mpsr_state_ready.restype = ctypes.c_int
         lib.mpsr_step.argtypes = []
         lib.mpsr_step.restype = ctypes.c_int
+        lib.mpsr_step_idle.argtypes = []
+        lib.mpsr_step_idle.restype = ctypes.c_int
         lib.mpsr_step_finish.argtypes = []
         lib.mpsr_step_finish.restype = None
         _lib = lib
@@ -74,6 +76,12 @@ def step():
     """Marks the end of one step (a training iteration, a decode step, a served batch): the agent
     reads per-rank step times for skew and latency spikes. The first call starts the clock."""
     _check(_load().mpsr_step())
+
+
+def step_idle():
+    """No step is under way (waiting for requests, a checkpoint, an evaluation): the wait is
+    neither a long step nor a stall; the next step() starts the clock again."""
+    _check(_load().mpsr_step_idle())
 
 
 def step_finish():

@@ -429,6 +429,12 @@ pub extern "C" fn mpsr_step() -> c_int {
     guarded(steps::step)
 }
 
+/// See mpsr_state.h: this process is idle (no step under way) until its next mpsr_step().
+#[no_mangle]
+pub extern "C" fn mpsr_step_idle() -> c_int {
+    guarded(steps::idle)
+}
+
 /// See mpsr_state.h: removes this process's step file (at a clean exit).
 #[no_mangle]
 pub extern "C" fn mpsr_step_finish() {

@@ -140,6 +140,22 @@ pub fn step() -> Result<(), StateError> {
     Ok(())
 }
 
+/// Says this process is idle (waiting for requests, writing a checkpoint, evaluating): no step
+/// is under way, so the wait is neither a long step nor a stall; the next `step()` starts the
+/// clock again without counting it.
+pub fn idle() -> Result<(), StateError> {
+    let pid = std::process::id();
+    let mut w = WRITER.lock().unwrap_or_else(|p| p.into_inner());
+    if w.as_ref().is_none_or(|w| w.pid != pid) {
+        *w = Some(Writer::create(pid)?);
+    }
+    if let Some(w) = w.as_mut() {
+        w.last_ns = 0;
+        w.u64(OFF_LAST).store(0, Ordering::Release);
+    }
+    Ok(())
+}
+
 /// Removes this process's step file (at a clean exit; the agent removes those of processes that
 /// died).
 pub fn finish() {
@@ -173,6 +189,18 @@ mod tests {
         for s in r.since(0) {
             assert!((0.019..0.5).contains(&s), "{s}");
         }
+        // Idle: no step under way; the wait is not counted, the next mark restarts the clock.
+        idle().unwrap();
+        let b = std::fs::read(steps::path(&d, std::process::id())).unwrap();
+        assert_eq!(StepRecord::parse(&b).unwrap().last_ns, 0);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        step().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        step().unwrap();
+        let b = std::fs::read(steps::path(&d, std::process::id())).unwrap();
+        let r = StepRecord::parse(&b).unwrap();
+        assert_eq!(r.count, 4, "the idle time is no step");
+        assert!(r.since(3)[0] < 0.09, "{:?}", r.since(3));
         finish();
         assert!(!steps::path(&d, std::process::id()).exists());
         let _ = std::fs::remove_dir_all(&d);

@@ -191,7 +191,14 @@ const STEP_BASELINE_MIN: usize = 20;
 /// that is longer (a stall shows before the step ends).
 fn step_now(c: &ClientSample) -> Option<f64> {
     let s = c.steps?;
-    Some(s.step_s?.max(s.age_s))
+    Some(s.step_s?.max(s.age_s.unwrap_or(0.0)))
+}
+
+/// A rank's slowest step now: the longest step that ended this round, else how long the step
+/// under way has run (one long step among many short ones is what a spike is; a median hides it).
+fn step_worst(c: &ClientSample) -> Option<f64> {
+    let s = c.steps?;
+    s.max_s.or(s.age_s).or(s.step_s)
 }
 
 pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -915,7 +922,9 @@ impl Detector {
         let t = tick.t;
         let mut out = Vec::new();
         for c in &tick.clients {
-            let Some(s) = step_now(c) else { continue };
+            let (Some(s), Some(worst)) = (c.steps.and_then(|x| x.step_s), step_worst(c)) else {
+                continue;
+            };
             let h = self.step_history.entry((c.gpu, c.pid)).or_default();
             // The baseline: its steps of the 5 minutes before, not the last window's (a spike
             // must not raise its own baseline).
@@ -935,13 +944,13 @@ impl Detector {
                     gpu: c.gpu,
                     pid: c.pid,
                 },
-                value: b.map(|b| s / b),
+                value: b.map(|b| worst / b),
                 gpu: Some(c.gpu),
                 owner: c.owner,
                 others: Vec::new(),
                 detail: format!(
                     "step {:.1} ms vs its median {:.1} ms",
-                    s * 1e3,
+                    worst * 1e3,
                     b.unwrap_or(0.0) * 1e3
                 ),
             });
@@ -1057,7 +1066,9 @@ mod tests {
             steps: Some(crate::steps::StepSample {
                 steps: 100,
                 step_s: Some(step_s),
-                age_s,
+                // A step under way longer than the usual one: none ended this round.
+                max_s: (age_s <= step_s).then_some(step_s),
+                age_s: Some(age_s),
             }),
             owner: Some(Owner {
                 job,
@@ -1159,6 +1170,33 @@ mod tests {
                 && f.2 <= 352.0),
             "{stall:?}"
         );
+    }
+
+    /// A rank that says it is idle (`mpsr_step_idle()`: a server waiting for requests) is no
+    /// stall, however long it waits.
+    #[test]
+    fn an_idle_rank_is_no_stall() {
+        let mut d = step_rules();
+        let mut out = Vec::new();
+        for i in 0..600 {
+            let idle = i >= 300;
+            let mut c = stepping(100, 7, 0.1, 0.05);
+            if idle {
+                c.steps = Some(crate::steps::StepSample {
+                    steps: 100,
+                    step_s: Some(0.1),
+                    max_s: None,
+                    age_s: None,
+                });
+            }
+            out.extend(d.observe(&Tick {
+                t: i as f64,
+                gpus: Vec::new(),
+                clients: vec![c],
+                nics: Vec::new(),
+            }));
+        }
+        assert!(out.is_empty(), "{out:?}");
     }
 
     #[test]

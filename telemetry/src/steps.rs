@@ -4,7 +4,8 @@
 //! through a shared mapping by its one writer, read by the agent with a sequence lock.
 //!
 //! Layout, little-endian: magic (8 bytes), seq (u64: odd while the writer is in the middle of a
-//! step), count (u64: steps completed), last_ns (u64: CLOCK_MONOTONIC of the last mark), then a
+//! step), count (u64: steps completed), last_ns (u64: CLOCK_MONOTONIC of the last mark; 0 while
+//! the process says it is idle, `mpsr_step_idle()`), then a
 //! ring of [`RING`] step durations in microseconds (u32, saturating): step `k` (1-based) is at
 //! `(k - 1) % RING`.
 
@@ -118,8 +119,12 @@ pub struct StepSample {
     /// Its step time: the median of the steps completed since the last round, else the last one
     /// known; `None` before its first step.
     pub step_s: Option<f64>,
-    /// Seconds since its last mark (a step that has not ended: a stall shows here).
-    pub age_s: f64,
+    /// The longest of the steps completed since the last round; `None` when none did.
+    #[serde(default)]
+    pub max_s: Option<f64>,
+    /// Seconds since its last mark: how long the step under way has run (a stall shows here
+    /// before it ends); `None` while the process says it is idle (`mpsr_step_idle()`).
+    pub age_s: Option<f64>,
 }
 
 /// Reads processes' step files each round (the agent, as root: a file counts only when it is a
@@ -185,17 +190,15 @@ impl StepReader {
         // A count that went down: another process with this pid now.
         let prev = if r.count < prev { 0 } else { prev };
         let mut new = r.since(prev);
-        let step_s = if new.is_empty() {
-            last
-        } else {
-            new.sort_by(f64::total_cmp);
-            Some(new[new.len() / 2])
-        };
+        new.sort_by(f64::total_cmp);
+        let step_s = new.get(new.len() / 2).copied().or(last);
         self.seen.insert(pid, (r.count, step_s));
-        let age_s = monotonic_ns().saturating_sub(r.last_ns) as f64 / 1e9;
+        // 0: idle (no step under way).
+        let age_s = (r.last_ns != 0).then(|| monotonic_ns().saturating_sub(r.last_ns) as f64 / 1e9);
         Some(StepSample {
             steps: r.count,
             step_s,
+            max_s: new.last().copied(),
             age_s,
         })
     }
