@@ -2,9 +2,11 @@
 //! (flapping), at and around its threshold, node-wide slowdowns, mixed with healthy work; and
 //! healthy node-hours with look-alikes that must raise nothing (intended MPS packing under thread
 //! limits, 95 % preallocation, idle inference servers, checkpoint pauses, bursts, job churn,
-//! counter resets, a GPU at its power cap, congestion and background NIC errors).
+//! counter resets, a GPU at its power cap, congestion and background NIC errors); step times
+//! (`mpsr_step()`) of training ranks and inference replicas, with slow replicas and host-side
+//! stalls as positives and idle servers, checkpoints and load-dependent steps as look-alikes.
 
-use crate::model::{job, Fault, Load, Node, Overlay, Rng, GPUS};
+use crate::model::{job, stepping, Fault, Load, Node, Overlay, Rng, GPUS};
 
 /// What a finding must be about to count for a label.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,15 +57,18 @@ pub const PORT: &str = "mlx5_0/1";
 fn training(seed: u64) -> Node {
     Node {
         seed,
-        ranks: job(
-            10,
-            1000,
-            &[0, 1, 2, 3, 4, 5, 6, 7],
-            Load::Steady(0.92),
-            60.0,
-            None,
-            None,
-            (0.0, f64::MAX),
+        ranks: stepping(
+            job(
+                10,
+                1000,
+                &[0, 1, 2, 3, 4, 5, 6, 7],
+                Load::Steady(0.92),
+                60.0,
+                None,
+                None,
+                (0.0, f64::MAX),
+            ),
+            0.4,
         ),
         overlays: Vec::new(),
         nics: vec![PORT.into()],
@@ -382,6 +387,41 @@ fn specs() -> Vec<Spec> {
             },
         },
         Spec {
+            fault: Fault::StepSlow,
+            rule: "step_skew",
+            // Twice as slow is also a spike against its own past steps.
+            also: &["step_spike"],
+            sevs: &[1.5, 2.0],
+            durations: &[30.0, 60.0, 120.0, 300.0],
+            duties: FLAP,
+            place: |r| {
+                let g = (r.next_u64() % 4) as u32;
+                let pid = 5000 + g;
+                (
+                    inference(r.next_u64()),
+                    overlay(Fault::StepSlow, g, Some(pid), None),
+                    About::Client(g, pid),
+                )
+            },
+        },
+        Spec {
+            fault: Fault::StepStall,
+            rule: "step_spike",
+            also: &["step_skew"],
+            sevs: &[1.0],
+            durations: &[30.0, 60.0, 120.0, 300.0],
+            duties: FLAP,
+            place: |r| {
+                let g = (r.next_u64() % 8) as u32;
+                let pid = 1000 + g;
+                (
+                    training(r.next_u64()),
+                    overlay(Fault::StepStall, g, Some(pid), None),
+                    About::Client(g, pid),
+                )
+            },
+        },
+        Spec {
             fault: Fault::NicErrors,
             rule: "nic_errors",
             also: &[],
@@ -531,25 +571,32 @@ fn churn(mut n: Node, rng: &mut Rng) -> Node {
 /// Two inference servers: job 50 on GPUs 0-3 holding 95 % of each (vLLM-style preallocation),
 /// bursty; job 60 on GPUs 4-7, idle for stretches of up to 20 minutes between bursts.
 fn inference(seed: u64) -> Node {
-    let mut ranks = job(
-        50,
-        1000,
-        &[0, 1, 2, 3],
-        Load::Bursty { lo: 0.05, hi: 0.9 },
-        0.95 * 79.6 - 0.6,
-        None,
-        None,
-        (0.0, f64::MAX),
+    // Both mark their decode steps (replicas of one model: independent, no collective).
+    let mut ranks = stepping(
+        job(
+            50,
+            1000,
+            &[0, 1, 2, 3],
+            Load::Bursty { lo: 0.05, hi: 0.9 },
+            0.95 * 79.6 - 0.6,
+            None,
+            None,
+            (0.0, f64::MAX),
+        ),
+        0.05,
     );
-    ranks.extend(job(
-        60,
-        1001,
-        &[4, 5, 6, 7],
-        Load::IdleServer { max_idle_s: 1200.0 },
-        40.0,
-        None,
-        None,
-        (0.0, f64::MAX),
+    ranks.extend(stepping(
+        job(
+            60,
+            1001,
+            &[4, 5, 6, 7],
+            Load::IdleServer { max_idle_s: 1200.0 },
+            40.0,
+            None,
+            None,
+            (0.0, f64::MAX),
+        ),
+        0.05,
     ));
     Node {
         seed,

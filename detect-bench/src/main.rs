@@ -104,6 +104,9 @@ fn main() {
         for m in &rep.misses {
             println!("missed {m}");
         }
+        for w in &rep.wrong {
+            println!("false alarm {w}");
+        }
     }
     if tsv {
         println!(

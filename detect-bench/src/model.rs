@@ -71,6 +71,8 @@ pub struct Rank {
     /// Present from .. until (job churn).
     pub from_s: f64,
     pub until_s: f64,
+    /// Its usual step time where the application marks steps (`mpsr_step()`).
+    pub step_s: Option<f64>,
 }
 
 /// What goes wrong (positives) or happens that must not alarm (healthy events).
@@ -114,6 +116,10 @@ pub enum Fault {
     Hung,
     /// NIC errors, `sev` per minute.
     NicErrors,
+    /// A replica's steps take `sev` times as long (independent replicas: its peers do not wait).
+    StepSlow,
+    /// A rank's step does not end while on (a host-side stall: data loader, CPU).
+    StepStall,
     // Healthy events.
     /// The driver reloads: every counter restarts from 0.
     CounterReset,
@@ -194,6 +200,17 @@ pub struct GpuTruth {
     pub dram_active: f64,
 }
 
+/// A rank's steps at one moment.
+#[derive(Debug, Clone, Copy)]
+pub struct StepTruth {
+    /// The step time of its recent steps.
+    pub step_s: f64,
+    /// How long the step under way has been stalled; `None` when it is not.
+    pub stalled_for: Option<f64>,
+    /// The application said it is idle (`mpsr_step_idle()`: waiting for requests, checkpointing).
+    pub idle: bool,
+}
+
 #[derive(Debug, Clone)]
 pub struct ClientTruth {
     pub gpu: u32,
@@ -204,6 +221,7 @@ pub struct ClientTruth {
     pub mem: u64,
     pub thread_pct: Option<u8>,
     pub mem_limit: Option<u64>,
+    pub step: Option<StepTruth>,
 }
 
 #[derive(Debug, Clone)]
@@ -295,6 +313,32 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// A rank's steps: its usual time, longer under load (bigger batches) and with jitter;
+    /// idle when it computes nothing (a server between requests, a checkpoint: the application
+    /// says so); slow or stalled where a fault says.
+    fn step_truth(&self, r: &Rank, t: f64, util: f64) -> Option<StepTruth> {
+        let base = r.step_s?;
+        let n = noise(self.seed, t, 5000 + r.pid as u64);
+        let mut step_s = base * (0.9 + 0.2 * util) * (1.0 + 0.1 * n);
+        if let Some(o) = self.rank_on(t, r, Fault::StepSlow) {
+            step_s *= o.sev;
+        }
+        let stalled_for = self.rank_on(t, r, Fault::StepStall).map(|o| {
+            if o.duty >= 1.0 {
+                t - o.start
+            } else {
+                (t - o.start) % o.period_s
+            }
+        });
+        let checkpoint = matches!(r.load, Load::Checkpointing { every_s, pause_s }
+            if (t + r.job as f64 * 31.0) % every_s < pause_s);
+        Some(StepTruth {
+            step_s,
+            stalled_for,
+            idle: stalled_for.is_none() && (util < 0.05 || checkpoint),
+        })
     }
 
     pub fn truth(&self, t: f64) -> Truth {
@@ -448,6 +492,7 @@ impl Node {
                     mem: self.rank_mem(r, t),
                     thread_pct: r.thread_pct,
                     mem_limit: r.mem_limit,
+                    step: self.step_truth(r, t, u),
                 });
             }
         }
@@ -516,6 +561,15 @@ pub fn job(
             mem_limit: mem_limit_gib.map(|m| (m * GIB as f64) as u64),
             from_s: span.0,
             until_s: span.1,
+            step_s: None,
         })
         .collect()
+}
+
+/// Ranks that mark their steps, `step_s` each as usual.
+pub fn stepping(mut ranks: Vec<Rank>, step_s: f64) -> Vec<Rank> {
+    for r in &mut ranks {
+        r.step_s = Some(step_s);
+    }
+    ranks
 }

@@ -129,6 +129,17 @@ impl Sampler {
                     "owner": {"job": c.job, "step": 0, "task": c.pid, "uid": c.uid},
                     "thread_pct": c.thread_pct,
                     "mem_limit_bytes": c.mem_limit,
+                    "steps": c.step.map(|st| {
+                        // What the agent reads of the step file this round: steps that ended
+                        // (none while stalled or idle) and how long the one under way has run.
+                        let moving = st.stalled_for.is_none() && !st.idle;
+                        json!({
+                            "steps": (truth.t / st.step_s) as u64,
+                            "step_s": st.step_s,
+                            "max_s": moving.then_some(st.step_s * 1.08),
+                            "age_s": if st.idle { None } else { Some(st.stalled_for.unwrap_or(st.step_s * 0.5)) },
+                        })
+                    }),
                 })
             })
             .collect();

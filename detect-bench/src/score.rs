@@ -36,6 +36,8 @@ pub struct Report {
     pub seconds: f64,
     /// The labels not found, as "case: rule" (for `--misses`).
     pub misses: Vec<String>,
+    /// Findings that were false alarms, for `--misses`.
+    pub wrong: Vec<String>,
     /// Every label: (case, rule, seconds to detect where found), for `--cases`.
     pub labels: Vec<(String, String, Option<f64>)>,
 }
@@ -139,6 +141,10 @@ pub fn score(cases: &[Case], sampling: Sampling, rules: &dyn Fn() -> Detector) -
             if right {
                 s.right += 1;
             } else if !tolerated {
+                rep.wrong.push(format!(
+                    "{}: {} {:?} at {:.0} s",
+                    case.name, name, f.subject, f.t
+                ));
                 s.wrong += 1;
                 s.healthy_wrong += case.healthy as u32;
             }

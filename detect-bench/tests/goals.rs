@@ -23,6 +23,8 @@ const SKEWS: &[&str] = &[
     "node_slowdown",
     "memory_imbalance",
     "mps_contention",
+    "step_skew",
+    "step_spike",
 ];
 
 #[test]
