@@ -1061,6 +1061,53 @@ mod tests {
         );
     }
 
+    /// The GPM readings measured on an H100 under MPS (tests/gpu/results/
+    /// 2026-12-06_H100_580.159.04_detect_run1): a bf16 GEMM read utilization 1.0, SM activity 0.96,
+    /// tensor activity 0.94; a kernel spinning on a flag in GPU memory, as NCCL waits for a peer,
+    /// read utilization 1.0, SM activity 0.48, tensor activity 0.0. A job whose rank on GPU 0
+    /// computes while its ranks on GPUs 1-3 spin reads busy everywhere: the straggler rule names
+    /// the computing rank by its peers' tensor activity, and nothing else.
+    #[test]
+    fn measured_gpm_of_a_computing_rank_and_spinning_peers_names_the_slow_rank() {
+        let rule = crate::rules::RULES
+            .iter()
+            .find(|r| r.id == RuleId::Straggler)
+            .unwrap();
+        let mut d = Detector::new(vec![*rule]);
+        let reading = |gpu: u32, sm: f64, tensor: f64| {
+            GpuReading::Sample(Box::new(GpuSample {
+                gpu,
+                util: Some(1.0),
+                sm_active: Some(sm),
+                tensor_active: Some(tensor),
+                ..GpuSample::default()
+            }))
+        };
+        let mut found = Vec::new();
+        for i in 0..30 {
+            let tick = Tick {
+                t: i as f64,
+                gpus: vec![
+                    reading(0, 0.964, 0.936),
+                    reading(1, 0.485, 0.0),
+                    reading(2, 0.485, 0.0),
+                    reading(3, 0.485, 0.0),
+                ],
+                clients: (0..4).map(|g| rank(g, 100 + g, 10)).collect(),
+                nics: Vec::new(),
+            };
+            found.extend(d.observe(&tick));
+        }
+        let raised: Vec<(Subject, f64)> = found
+            .iter()
+            .filter(|f| f.state == FindingState::Raised)
+            .map(|f| (f.subject.clone(), f.t))
+            .collect();
+        assert_eq!(raised.len(), 1, "{found:#?}");
+        assert_eq!(raised[0].0, Subject::Client { gpu: 0, pid: 100 });
+        assert!(raised[0].1 <= 15.0, "raised within 15 s: {raised:?}");
+    }
+
     fn stepping(pid: u32, job: u32, step_s: f64, age_s: f64) -> ClientSample {
         ClientSample {
             steps: Some(crate::steps::StepSample {
