@@ -31,6 +31,8 @@ else
   CARGO_TARGET_DIR=target/compat-23.11 SLURM_INCLUDE_DIR="$PWD/spank-plugin/compat/slurm-23.11" \
     cargo check --locked -q -p mpsr-spank
 fi
+# A Slurm upgrade must rebuild the plugin with the new plugin_version (bindgen's rerun triggers).
+bash tests/plugin_rebuild.sh
 # The Debian packages: built (from the debug build: only their contents are checked here) and
 # installed with dpkg into an empty root (no Slurm there: dependencies are not resolved); the
 # real-Slurm e2e tests then run the installed files, not the build.

@@ -1,5 +1,7 @@
 //! Generates SPANK bindings from the system `slurm/spank.h` (libslurm-dev). The plugin must be built
 //! against the Slurm release it is loaded into: Slurm refuses a plugin whose major.minor differs.
+//! Every header bindgen reads is a rerun trigger (its cargo callbacks), so a plugin rebuilt after
+//! a libslurm-dev upgrade takes the new `SLURM_VERSION_NUMBER` (tests/plugin_rebuild.sh).
 
 use std::path::PathBuf;
 
@@ -17,7 +19,8 @@ fn main() {
         .blocklist_type("spank_option")
         .blocklist_type("spank_opt_cb_f")
         .prepend_enum_name(false)
-        .layout_tests(false);
+        .layout_tests(false)
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()));
     if let Ok(dir) = std::env::var("SLURM_INCLUDE_DIR") {
         b = b.clang_arg(format!("-I{dir}"));
     }

@@ -183,9 +183,11 @@ pub struct LogConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct SlurmConfig {
     pub scontrol: PathBuf,
-    /// squeue binary: a job's AdminComment is read with it (one field alone, never from the
-    /// multi-line `scontrol show job`, where a newline in a job's name forged the line).
+    /// squeue binary: a job's state, restarts and AdminComment are read with it (fields no user
+    /// chooses, never from `scontrol show job`, where a job's name stands among the fields).
     pub squeue: PathBuf,
+    /// sinfo binary: a node's state and drain reason are read with it.
+    pub sinfo: PathBuf,
     /// Passed as SLURM_CONF to scontrol when set.
     pub slurm_conf: Option<PathBuf>,
     pub timeout_ms: u64,
@@ -328,6 +330,7 @@ impl Default for SlurmConfig {
         SlurmConfig {
             scontrol: "scontrol".into(),
             squeue: "squeue".into(),
+            sinfo: "sinfo".into(),
             slurm_conf: None,
             timeout_ms: 10_000,
             max_attempts: 8,

@@ -39,19 +39,24 @@ impl Env {
         .unwrap();
         std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
-        // squeue --json: every job listed, with no AdminComment yet.
+        // squeue --json: every job listed, with no AdminComment yet; squeue -O: running, with
+        // as many restarts as requeues were logged. sinfo: the node idle.
         let squeue = d.join("squeue");
         std::fs::write(
             &squeue,
-            "#!/bin/sh\n[ \"$1\" = --json ] && echo \"{\\\"jobs\\\":[{\\\"job_id\\\":$4,\\\"admin_comment\\\":\\\"\\\"}]}\"\n",
+            format!("#!/bin/sh\nL={}/scontrol.log\n[ \"$1\" = --json ] && echo \"{{\\\"jobs\\\":[{{\\\"job_id\\\":$4,\\\"admin_comment\\\":\\\"\\\"}}]}}\"\n[ \"$1\" = -h ] && echo \"$4|RUNNING|N/A|1|1|$(grep -c \"^requeue $4\\$\" $L 2>/dev/null)|\"\nexit 0\n", d.display()),
         )
         .unwrap();
         std::fs::set_permissions(&squeue, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
+        let sinfo = d.join("sinfo");
+        std::fs::write(&sinfo, "#!/bin/sh\necho 'idle|none|'\n").unwrap();
+        std::fs::set_permissions(&sinfo, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         std::fs::write(
             d.join("agent.toml"),
             format!(
-                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n{top}[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nsqueue = \"{0}/squeue\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n{mps}[faults]\nkmsg = false\n{extra}",
+                "backend = \"sim\"\nsocket = \"{0}/run/agent.sock\"\nstate_dir = \"{0}/state\"\nrun_dir = \"{0}/run\"\nnode_name = \"n1\"\n{top}[log]\ntarget = \"stderr\"\n[slurm]\nscontrol = \"{0}/scontrol\"\nsqueue = \"{0}/squeue\"\nsinfo = \"{0}/sinfo\"\nretry_backoff_ms = 50\n[mps]\nfault_grace_ms = 300\nquit_on_shutdown = true\n{mps}[faults]\nkmsg = false\n{extra}",
                 d.display()
             ),
         )

@@ -566,8 +566,8 @@ Epilog={t}/etc/epilog.sh
     fn write_agent_config(&self, node: &str) -> Result<()> {
         let t = self.dir.display();
         // The agent (on the host) runs the Slurm root's scontrol when there is one.
-        // And its squeue (a job's AdminComment is read with it); the host's by default, so a
-        // config an earlier agent reads names no key it does not know.
+        // And its squeue and sinfo; the host's by default, so a config an earlier agent reads
+        // names no key it does not know.
         let mut squeue = String::new();
         let scontrol = match slurm_root() {
             Some(r) => {
@@ -577,13 +577,16 @@ Epilog={t}/etc/epilog.sh
                     &format!("#!/bin/sh\nexec chroot {} scontrol \"$@\"\n", r.display()),
                     0o755,
                 )?;
-                let q = self.bin.join("squeue-in-root");
-                write_file(
-                    &q,
-                    &format!("#!/bin/sh\nexec chroot {} squeue \"$@\"\n", r.display()),
-                    0o755,
-                )?;
-                squeue = format!("squeue = \"{}\"\n", q.display());
+                // And its squeue and sinfo (a job's and a node's fields are read with them).
+                for tool in ["squeue", "sinfo"] {
+                    let q = self.bin.join(format!("{tool}-in-root"));
+                    write_file(
+                        &q,
+                        &format!("#!/bin/sh\nexec chroot {} {tool} \"$@\"\n", r.display()),
+                        0o755,
+                    )?;
+                    squeue.push_str(&format!("{tool} = \"{}\"\n", q.display()));
+                }
                 w.display().to_string()
             }
             None => "scontrol".into(),

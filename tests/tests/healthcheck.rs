@@ -1,5 +1,5 @@
 //! The health check script (scripts/slurm/mpsr-healthcheck) against stand-ins for `mpsrctl` and
-//! `scontrol` (no Slurm, no agent): it acts on mpsrctl's exit status only, drains with the agent's
+//! `scontrol`/`sinfo` (no Slurm, no agent): it acts on mpsrctl's exit status only, drains with the agent's
 //! reason, resumes only its own drains, and never drains on an error reply or a missing agent.
 //! (The same script against real slurmctld and agents: tests/slurm.rs.)
 
@@ -11,8 +11,9 @@ struct Stand {
 }
 
 impl Stand {
-    /// `mpsrctl` exits `rc` printing `out` (stdout) and `err` (stderr); `scontrol show node`
-    /// reports `state` and `reason`; every scontrol call is logged.
+    /// `mpsrctl` exits `rc` printing `out` (stdout) and `err` (stderr); `sinfo -O` reports
+    /// `state` and `reason` as Slurm does (lower case, padded, once per partition); every
+    /// scontrol call is logged.
     fn new(name: &str, rc: i32, out: &str, err: &str, state: &str, reason: &str) -> Stand {
         let dir =
             std::env::temp_dir().join(format!("mpsr-healthcheck-{name}-{}", std::process::id()));
@@ -32,13 +33,18 @@ impl Stand {
         );
         script(
             &dir.join("scontrol"),
+            format!("#!/bin/bash\necho \"$*\" >> {d}/scontrol.log\n"),
+        );
+        let state = state.to_ascii_lowercase();
+        script(
+            &dir.join("sinfo"),
             format!(
-                "#!/bin/bash\necho \"$*\" >> {d}/scontrol.log\nif [ \"$1 $2\" = \"-o show\" ]; then echo 'NodeName=n1 Arch=x86_64 State={state} Reason={reason}'; fi\n"
+                "#!/bin/bash\n[ \"$*\" = '-h -N -n n1 -O StateComplete:|,Reason:|' ] || exit 1\nprintf '%s|%s  |\\n%s|%s  |\\n' '{state}' '{reason}' '{state}' '{reason}'\n"
             ),
         );
         std::fs::write(
             dir.join("scripts.conf"),
-            format!("MPSRCTL={d}/mpsrctl\nSCONTROL={d}/scontrol\nMPSR_SOCKET={d}/agent.sock\n"),
+            format!("MPSRCTL={d}/mpsrctl\nSCONTROL={d}/scontrol\nSINFO={d}/sinfo\nMPSR_SOCKET={d}/agent.sock\n"),
         )
         .unwrap();
         Stand { dir }
@@ -110,7 +116,14 @@ fn healthy_resumes_only_its_own_drain() {
     let ours = Stand::new("ours", 0, "", "", "IDLE+DRAIN", REASON);
     ours.run();
     assert_eq!(ours.updates(), vec!["update NodeName=n1 State=RESUME"]);
-    let theirs = Stand::new("theirs", 0, "", "", "IDLE+DRAIN", "admin: maintenance");
+    let theirs = Stand::new(
+        "theirs",
+        0,
+        "",
+        "",
+        "IDLE+DRAIN",
+        "admin: maintenance | mpsr: x",
+    );
     theirs.run();
     assert!(theirs.updates().is_empty(), "{:?}", theirs.updates());
     // Unhealthy, but drained by someone else already: left alone.

@@ -645,13 +645,23 @@ fn a_fault_requeues_only_the_jobs_of_its_fault_domain() {
 }
 
 /// Chaos: slurmctld is down when a fault hits a protected batch job. The agent's requeue fails
-/// and is retried; once slurmctld is back it is done, exactly once.
+/// and is retried; once slurmctld is back it is done, exactly once. The job's name forges Slurm
+/// fields in `scontrol show job`'s line (a retry reads the job first): read from scontrol, it
+/// said the job had ended with 99 restarts and the requeue was never sent.
 #[test]
 fn a_requeue_while_slurmctld_is_down_is_done_once_it_is_back() {
     let Some((_g, mut c)) = cluster(Options::default()) else {
         return;
     };
-    let id = protected_batch_job(&c, 120);
+    let id = c
+        .sbatch(
+            "nobody",
+            "-w n1 -J 'x Restarts=99 JobState=COMPLETED BatchFlag=0 Requeue=0' --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(id, &["RUNNING"], SHORT).unwrap();
+    assert_eq!(c.wait_registered("n1", id, 1).unwrap(), vec![0]);
     wait_for("its client attached", SHORT, || {
         (!c.clients("n1", 0).is_empty()).then_some(())
     })

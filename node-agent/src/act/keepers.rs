@@ -247,7 +247,7 @@ pub enum KeptVerdict {
 pub fn kept_verdict(
     until_ms: u64,
     now_ms: u64,
-    facts: &Result<Option<crate::act::slurm::scontrol::JobFacts>, crate::sys::process::RunError>,
+    facts: &Result<Option<crate::act::slurm::listing::JobFacts>, crate::sys::process::RunError>,
 ) -> KeptVerdict {
     if now_ms >= until_ms {
         return KeptVerdict::Expired;
@@ -262,17 +262,17 @@ pub fn kept_verdict(
 #[cfg(test)]
 mod kept_tests {
     use super::*;
-    use crate::act::slurm::scontrol::JobFacts;
+    use crate::act::slurm::listing::JobFacts;
 
     #[test]
     fn state_kept_for_a_requeued_job_is_freed_once_slurm_says_it_will_not_run_again() {
-        let f = |s: &str| Ok(Some(JobFacts::parse(s)));
+        let f = |s: &str| Ok(Some(JobFacts::parse(s, 7).unwrap()));
         assert_eq!(
-            kept_verdict(100, 1, &f("JobId=7 JobState=PENDING")),
+            kept_verdict(100, 1, &f("7|PENDING|N/A|1|1|1|")),
             KeptVerdict::Keep
         );
         assert_eq!(
-            kept_verdict(100, 1, &f("JobId=7 JobState=CANCELLED")),
+            kept_verdict(100, 1, &f("7|CANCELLED|2026-12-06T10:00:00|1|1|1|")),
             KeptVerdict::Free
         );
         assert_eq!(kept_verdict(100, 1, &Ok(None)), KeptVerdict::Free, "gone");
@@ -286,7 +286,7 @@ mod kept_tests {
             "Slurm did not answer"
         );
         assert_eq!(
-            kept_verdict(100, 100, &f("JobId=7 JobState=PENDING")),
+            kept_verdict(100, 100, &f("7|PENDING|N/A|1|1|1|")),
             KeptVerdict::Expired
         );
     }

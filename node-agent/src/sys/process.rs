@@ -40,7 +40,9 @@ pub enum RunError {
     Failed { command: String, output: String },
 }
 
-/// Runs a command with optional stdin and a hard deadline (killed past it).
+/// Runs a command with optional stdin and a hard deadline: past it, the command and everything
+/// it started are killed (it runs in a process group of its own; a wrapper's child, e.g. a
+/// `timeout` or `chroot` around scontrol, would otherwise run on holding the pipes).
 pub fn run_bounded(
     mut c: Command,
     stdin: Option<&str>,
@@ -56,6 +58,7 @@ pub fn run_bounded(
     .stderr(Stdio::piped());
     let binary = format!("{:?}", c.get_program());
     prepare(&mut c, false);
+    c.process_group(0);
     let mut child = c
         .spawn()
         .map_err(|source| RunError::Spawn { binary, source })?;
@@ -85,6 +88,9 @@ pub fn run_bounded(
         match child.try_wait() {
             Ok(Some(st)) => break st,
             Ok(None) if Instant::now() >= deadline => {
+                // SAFETY: kill(2) on the child's own process group (its pgid is its pid, set at
+                // spawn); no memory is touched.
+                unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(RunError::Timeout {
@@ -143,5 +149,36 @@ mod tests {
         prepare(&mut c, false);
         let out = String::from_utf8(c.output().unwrap().stdout).unwrap();
         assert!(out.trim().ends_with("0000000000000000"), "{out}");
+    }
+
+    /// Dead or a zombie (an orphan's reaper may be slow, or absent in a container).
+    fn gone(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(s) => s
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z')),
+        }
+    }
+
+    /// A command past its deadline is killed with what it started: a wrapper's child (here a
+    /// sleep the shell waits for) does not run on. Before, only the direct child was killed.
+    #[test]
+    fn a_timeout_kills_the_command_and_its_children() {
+        let dir = std::env::temp_dir().join(format!("mpsr-pg-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let f = dir.join("pid");
+        let mut c = Command::new("sh");
+        c.args(["-c", &format!("sleep 30 & echo $! > {}; wait", f.display())]);
+        let r = run_bounded(c, None, Duration::from_millis(300), "sh");
+        assert!(matches!(r, Err(RunError::Timeout { .. })), "{r:?}");
+        let pid: i32 = std::fs::read_to_string(&f).unwrap().trim().parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gone(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(gone(pid), "the command's child {pid} still runs");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

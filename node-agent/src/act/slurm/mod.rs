@@ -1,7 +1,8 @@
-//! Slurm actions: `queue` (what a decision queues, with its idempotency key), `scontrol` (one
+//! Slurm actions: `listing` (what Slurm lists of a job or node, from fields no user chooses), `queue` (what a decision queues, with its idempotency key), `scontrol` (one
 //! call, judged by Slurm's own fields), `worker` (the thread that carries the queue out, after the
 //! decision is on disk, with retries and backoff).
 
+pub mod listing;
 pub mod queue;
 pub mod scontrol;
 mod worker;

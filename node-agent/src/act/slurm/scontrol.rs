@@ -1,6 +1,8 @@
 //! Slurm actions carried out through `scontrol`, each call bounded in time; what a refusal means is
-//! read from what Slurm then lists (the job's or node's fields), never from the refusal's words.
+//! read from what Slurm then lists (the job's or node's fields, `squeue`/`sinfo`: [`listing`]),
+//! never from the refusal's words.
 
+use super::listing::{self, admin_comment_from_json, JobFacts, NodeState};
 use super::queue::SlurmOp;
 use crate::config::SlurmConfig;
 use crate::sys::process::{run_bounded, RunError};
@@ -124,11 +126,10 @@ impl Scontrol {
             SlurmOp::Drain { node, reason } => {
                 // Never take over a node someone else drained: keep their reason.
                 match self.node_state(node) {
-                    Ok((state, r))
-                        if state.contains("DRAIN") && !r.starts_with(super::DRAIN_PREFIX) =>
-                    {
+                    Ok(Some(n)) if n.drained() && !n.reason.starts_with(super::DRAIN_PREFIX) => {
                         return Outcome::Done(format!(
-                            "node {node} already drained by someone else (reason \"{r}\"); left as is"
+                            "node {node} already drained by someone else (reason \"{}\"); left as is",
+                            n.reason
                         ));
                     }
                     Ok(_) => {}
@@ -170,7 +171,7 @@ impl Scontrol {
             Ok((true, _)) => Outcome::Done(format!("job {job_id}'s AdminComment: {line}")),
             // Slurm takes no update of a finished job: judged by its state, not the words.
             Ok((false, out)) => match self.job_facts(job_id) {
-                Ok(Some(f)) if f.state.as_deref().is_some_and(finished) => Outcome::Permanent(
+                Ok(Some(f)) if f.finished() => Outcome::Permanent(
                     format!("job {job_id} ended before its fault line was written; its report has the fault"),
                 ),
                 _ => Outcome::Retry(out),
@@ -179,20 +180,21 @@ impl Scontrol {
         }
     }
 
-    /// What Slurm says of a job (`scontrol show job ID -o`): `None` when Slurm answers and does
-    /// not list it (gone); an error when Slurm cannot be asked.
+    /// What Slurm says of a job (`squeue -O`, fields no user chooses): `None` when Slurm answers
+    /// and does not list it (gone); an error when Slurm cannot be asked.
     pub fn job_facts(&self, job_id: u32) -> Result<Option<JobFacts>, RunError> {
         let id = job_id.to_string();
-        match self.answer(&["show", "job", &id, "-o"]) {
-            Ok(out) => Ok(Some(JobFacts::parse(&out))),
-            // Unknown job or no controller: the full list tells which.
-            Err(e @ RunError::Failed { .. }) => {
-                match self.listed(&["show", "job", "-o"], "JobId", &id) {
-                    Ok(false) => Ok(None),
-                    _ => Err(e),
-                }
-            }
-            Err(e) => Err(e),
+        let args = ["-h", "--states=all", "-j", &id, "-O", listing::JOB_FORMAT];
+        match self.run_tool(&self.cfg.squeue, &args)? {
+            (true, out) => Ok(JobFacts::parse(&out, job_id)),
+            // squeue fails on a job id it does not know: the full list tells gone from down.
+            (false, output) => match self.listed(&["show", "job", "-o"], "JobId", &id) {
+                Ok(false) => Ok(None),
+                _ => Err(RunError::Failed {
+                    command: format!("squeue -j {id}"),
+                    output,
+                }),
+            },
         }
     }
 
@@ -233,11 +235,16 @@ impl Scontrol {
             .any(|l| field(l, key).is_some_and(|v| v == value)))
     }
 
-    /// (State, Reason) of a node from `scontrol show node -o`.
-    pub fn node_state(&self, node: &str) -> Result<(String, String), RunError> {
-        Ok(parse_node_line(
-            &self.answer(&["show", "node", node, "-o"])?,
-        ))
+    /// A node's state and reason (`sinfo -O`); `None` when sinfo lists no such node.
+    pub fn node_state(&self, node: &str) -> Result<Option<NodeState>, RunError> {
+        let args = ["-h", "-N", "-n", node, "-O", listing::NODE_FORMAT];
+        match self.run_tool(&self.cfg.sinfo, &args)? {
+            (true, out) => Ok(NodeState::parse(&out)),
+            (false, output) => Err(RunError::Failed {
+                command: format!("sinfo -n {node}"),
+                output,
+            }),
+        }
     }
 
     pub fn resume_node(&self, node: &str) -> Result<(), RunError> {
@@ -256,39 +263,6 @@ impl Scontrol {
 
     pub fn max_attempts(&self) -> u32 {
         self.cfg.max_attempts
-    }
-}
-
-/// The fields of `scontrol show job -o` a requeue depends on; `None` where Slurm did not say.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JobFacts {
-    pub state: Option<String>,
-    /// `EndTime` as scontrol prints it (local time, `YYYY-MM-DDTHH:MM:SS`).
-    pub end_time: Option<String>,
-    pub batch: Option<bool>,
-    pub requeueable: Option<bool>,
-    pub restarts: Option<u32>,
-}
-
-impl JobFacts {
-    /// Slurm says the job has ended (it will not run again unless someone requeues it).
-    pub fn finished(&self) -> bool {
-        self.state.as_deref().is_some_and(finished)
-    }
-
-    pub fn parse(line: &str) -> JobFacts {
-        let flag = |k| {
-            field(line, k)
-                .and_then(|v| v.parse::<u32>().ok())
-                .map(|v| v != 0)
-        };
-        JobFacts {
-            state: field(line, "JobState").map(str::to_string),
-            end_time: field(line, "EndTime").map(str::to_string),
-            batch: flag("BatchFlag"),
-            requeueable: flag("Requeue"),
-            restarts: field(line, "Restarts").and_then(|v| v.parse().ok()),
-        }
     }
 }
 
@@ -315,44 +289,9 @@ fn local_time(ms: u64) -> Option<String> {
     ))
 }
 
-/// Whether a job state (`JobState=` of `scontrol show job`) is a finished one.
-fn finished(state: &str) -> bool {
-    matches!(
-        state,
-        "COMPLETED"
-            | "FAILED"
-            | "CANCELLED"
-            | "TIMEOUT"
-            | "NODE_FAIL"
-            | "PREEMPTED"
-            | "OUT_OF_MEMORY"
-            | "BOOT_FAIL"
-            | "DEADLINE"
-    )
-}
-
 /// The longest AdminComment the agent writes (Slurm's own limit is larger; a comment that long is
 /// a site's business, not a place for more lines).
 const ADMIN_COMMENT_MAX: usize = 1024;
-
-/// `Some(comment)` of `job_id` from `squeue --json` output (`Some("")` when unset), `Some(None)`
-/// when the listing has no such job, `None` when the output is not that JSON.
-fn admin_comment_from_json(out: &str, job_id: u32) -> Option<Option<String>> {
-    let v: serde_json::Value = serde_json::from_str(out).ok()?;
-    let jobs = v.get("jobs")?.as_array()?;
-    let Some(job) = jobs
-        .iter()
-        .find(|j| j.get("job_id").and_then(|i| i.as_u64()) == Some(u64::from(job_id)))
-    else {
-        return Some(None);
-    };
-    Some(Some(
-        job.get("admin_comment")
-            .and_then(|c| c.as_str())
-            .unwrap_or("")
-            .to_string(),
-    ))
-}
 
 #[derive(Debug, PartialEq, Eq)]
 enum Appended {
@@ -406,26 +345,6 @@ pub fn after_failed_requeue(
     }
 }
 
-/// `State=IDLE+DRAIN ... Reason=mpsr: xid 79 [root@2026-...]` -> ("IDLE+DRAIN", "mpsr: xid 79 [root@…]").
-pub fn parse_node_line(out: &str) -> (String, String) {
-    let state = out
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("State="))
-        .unwrap_or("")
-        .to_string();
-    // Reason is the last field on the line and may contain spaces.
-    let reason = out
-        .find(" Reason=")
-        .map(|i| out[i + 8..].trim().to_string())
-        .unwrap_or_default();
-    let reason = if reason == "(null)" {
-        String::new()
-    } else {
-        reason
-    };
-    (state, reason)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -437,9 +356,7 @@ mod tests {
             let end = local_time(end_ms).unwrap();
             Shim::new(
                 &format!("stale-{state}-{end_ms}"),
-                &format!(
-                "echo 'JobId=7 JobState={state} Restarts=0 BatchFlag=1 Requeue=1 EndTime={end}'"
-            ),
+                &format!("echo '{}'", listing::job_line(7, state, &end, 1, 1, 0)),
             )
         };
         // Ended 10 minutes after the fault: it ran on; the requeue is stale.
@@ -496,42 +413,32 @@ mod tests {
 
     #[test]
     fn a_refused_requeue_is_judged_by_the_jobs_fields() {
-        let facts = |l: &str| Ok(Some(JobFacts::parse(l)));
+        let facts = |state: &str, batch: u8, requeue: u8| {
+            Ok(JobFacts::parse(
+                &listing::job_line(3, state, "N/A", batch, requeue, 0),
+                3,
+            ))
+        };
         let err = || "whatever scontrol said".to_string();
-        let line = "JobId=3 JobName=x UserId=nobody(65534) JobState=RUNNING Reason=None Requeue=1 Restarts=0 BatchFlag=1 Reboot=0";
-        assert_eq!(
-            JobFacts::parse(line),
-            JobFacts {
-                state: Some("RUNNING".into()),
-                end_time: None,
-                batch: Some(true),
-                requeueable: Some(true),
-                restarts: Some(0)
-            }
-        );
         assert!(matches!(
             after_failed_requeue(3, err(), Ok(None)),
             Outcome::Permanent(_)
         ));
         assert!(matches!(
-            after_failed_requeue(3, err(), facts("JobId=3 JobState=RUNNING Requeue=1 BatchFlag=0")),
+            after_failed_requeue(3, err(), facts("RUNNING", 0, 1)),
             Outcome::Permanent(m) if m.contains("not a batch job")
         ));
         assert!(matches!(
-            after_failed_requeue(
-                3,
-                err(),
-                facts("JobId=3 JobState=PENDING Requeue=1 Restarts=1 BatchFlag=1")
-            ),
+            after_failed_requeue(3, err(), facts("PENDING", 1, 1)),
             Outcome::Done(_)
         ));
         assert!(matches!(
-            after_failed_requeue(3, err(), facts("JobId=3 JobState=RUNNING Requeue=0 BatchFlag=1")),
+            after_failed_requeue(3, err(), facts("RUNNING", 1, 0)),
             Outcome::Permanent(m) if m.contains("Requeue=0")
         ));
         // Requeueable, running, batch: the refusal was something passing; no answer at all too.
         assert!(matches!(
-            after_failed_requeue(3, err(), facts(line)),
+            after_failed_requeue(3, err(), facts("RUNNING", 1, 1)),
             Outcome::Retry(_)
         ));
         assert!(matches!(
@@ -539,7 +446,7 @@ mod tests {
                 3,
                 err(),
                 Err(RunError::Timeout {
-                    command: "scontrol show job 3 -o".into(),
+                    command: "squeue -j 3".into(),
                     ms: 5000
                 })
             ),
@@ -547,20 +454,11 @@ mod tests {
         ));
         // Fields Slurm did not print decide nothing.
         assert!(matches!(
-            after_failed_requeue(3, err(), facts("JobId=3")),
+            after_failed_requeue(3, err(), Ok(JobFacts::parse("3||||||", 3))),
             Outcome::Retry(_)
         ));
         assert_eq!(field("JobId=3 JobIdRaw=4 Restarts=2", "JobId"), Some("3"));
         assert_eq!(field("JobIdRaw=4", "JobId"), None);
-    }
-
-    #[test]
-    fn node_line() {
-        let (s, r) = parse_node_line("NodeName=n1 Arch=x86_64 State=IDLE+DRAIN ThreadsPerCore=1 Reason=mpsr: xid 79 (device_lost) on gpu0 of n1 [root@2026-12-02T13:09:48]");
-        assert_eq!(s, "IDLE+DRAIN");
-        assert!(r.starts_with("mpsr: xid 79"));
-        let (s, r) = parse_node_line("NodeName=n1 State=IDLE ThreadsPerCore=1");
-        assert_eq!((s.as_str(), r.as_str()), ("IDLE", ""));
     }
 
     #[test]
@@ -583,7 +481,8 @@ mod tests {
         assert_eq!(s.backoff(30), Duration::from_millis(60_000));
     }
 
-    /// An scontrol stand-in running `body` (sh), in a directory of its own (removed on drop).
+    /// scontrol, squeue and sinfo stand-ins running `body` (sh; `$T` is which one), in a
+    /// directory of its own (removed on drop).
     struct Shim {
         dir: std::path::PathBuf,
         scontrol: Scontrol,
@@ -594,12 +493,20 @@ mod tests {
             let dir =
                 std::env::temp_dir().join(format!("mpsr-slurm-{name}-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
-            let shim = dir.join("scontrol");
-            std::fs::write(&shim, format!("#!/bin/sh\nD={}\n{body}\n", dir.display())).unwrap();
-            std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            for tool in ["scontrol", "squeue", "sinfo"] {
+                let shim = dir.join(tool);
+                let text = format!("#!/bin/sh\nD={}\nT={tool}\n{body}\n", dir.display());
+                std::fs::write(&shim, text).unwrap();
+                std::fs::set_permissions(
+                    &shim,
+                    std::os::unix::fs::PermissionsExt::from_mode(0o755),
+                )
                 .unwrap();
+            }
             let scontrol = Scontrol::new(SlurmConfig {
-                scontrol: shim,
+                scontrol: dir.join("scontrol"),
+                squeue: dir.join("squeue"),
+                sinfo: dir.join("sinfo"),
                 ..SlurmConfig::default()
             });
             Shim { dir, scontrol }
@@ -651,7 +558,7 @@ mod tests {
     fn a_node_slurm_does_not_list_is_not_drained_again_and_again() {
         let shim = Shim::new(
             "node",
-            "if [ \"$1 $2 $3\" = 'show node -o' ]; then echo 'NodeName=n1 State=IDLE'; exit 0; fi\nexit 1",
+            "[ $T = sinfo ] && [ \"$4\" = n1 ] && { echo 'idle|none|'; exit 0; }\n[ $T = sinfo ] && exit 0\nif [ \"$1 $2 $3\" = 'show node -o' ]; then echo 'NodeName=n1 State=IDLE'; exit 0; fi\nexit 1",
         );
         let drain = |node: &str| SlurmOp::Drain {
             node: node.into(),
@@ -672,7 +579,7 @@ mod tests {
         // Slurm already shows the job requeued once; a requeue call is recorded.
         let shim = Shim::new(
             "verify",
-            "case \"$1\" in show) echo 'JobId=7 JobState=PENDING Restarts=1';; *) echo \"$@\" >> $D/calls;; esac",
+            "[ $T = squeue ] && { echo '7|PENDING|N/A|1|1|1|'; exit 0; }\necho \"$@\" >> $D/calls",
         );
         let op = SlurmOp::Requeue {
             job_id: 7,

@@ -23,15 +23,18 @@ impl std::fmt::Display for SkewError {
     }
 }
 
-/// The job's nodes from Slurm (`scontrol show job`, then `scontrol show hostnames`).
+/// The job's nodes from Slurm (`squeue -o %N`: that field alone, so no job name can stand in for
+/// it as in `scontrol show job`'s line; then `scontrol show hostnames`).
 pub fn nodes_of(job: u32, timeout: Duration) -> Result<Vec<String>, SkewError> {
-    let run = |args: &[&str]| -> Result<String, SkewError> {
+    let run = |tool: &str, args: &[&str]| -> Result<String, SkewError> {
         let out = Command::new("timeout")
+            .arg("-s")
+            .arg("KILL")
             .arg(format!("{}", timeout.as_secs().max(1)))
-            .arg("scontrol")
+            .arg(tool)
             .args(args)
             .output()
-            .map_err(|e| SkewError::Nodes(format!("scontrol: {e}")))?;
+            .map_err(|e| SkewError::Nodes(format!("{tool}: {e}")))?;
         if !out.status.success() {
             return Err(SkewError::Nodes(
                 String::from_utf8_lossy(&out.stderr).trim().to_string(),
@@ -39,14 +42,14 @@ pub fn nodes_of(job: u32, timeout: Duration) -> Result<Vec<String>, SkewError> {
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     };
-    let show = run(&["show", "job", &job.to_string(), "-o"])?;
-    let list = show
-        .split_whitespace()
-        .find_map(|kv| kv.strip_prefix("NodeList="))
-        .filter(|l| *l != "(null)")
-        .ok_or_else(|| SkewError::Nodes(format!("job {job} has no nodes (not running?)")))?
-        .to_string();
-    Ok(run(&["show", "hostnames", &list])?
+    let list = run("squeue", &["-h", "-j", &job.to_string(), "-o", "%N"])?;
+    let list = list.lines().next().unwrap_or("").trim();
+    if list.is_empty() || list == "(null)" {
+        return Err(SkewError::Nodes(format!(
+            "job {job} has no nodes (not running?)"
+        )));
+    }
+    Ok(run("scontrol", &["show", "hostnames", list])?
         .lines()
         .map(str::to_string)
         .filter(|l| !l.is_empty())
