@@ -110,6 +110,7 @@ impl Agent {
                 moved: Vec::new(),
                 totals: Default::default(),
                 escalations: Default::default(),
+                xid_totals: Default::default(),
                 down_exits: crate::store::state::DownExits::new(gone),
                 journal_pending: Vec::new(),
                 next_seq: last_seq + 1,

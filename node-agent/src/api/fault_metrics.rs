@@ -41,6 +41,18 @@ pub fn render(st: &State, gpus: &[u32], node: &str, simulated: bool) -> String {
     );
     family(
         &mut out,
+        "mpsr_xids_total",
+        "counter",
+        "Xids in the faults the agent decided, by Xid and its class (class=\"unknown\": not in the table, no action taken; classify it in faults.xid_classes)",
+    );
+    for ((g, x, class), n) in &st.xid_totals {
+        let _ = writeln!(
+            out,
+            "mpsr_xids_total{{gpu=\"{g}\",xid=\"{x}\",class=\"{class}\"}} {n}"
+        );
+    }
+    family(
+        &mut out,
         "mpsr_gpu_unhealthy",
         "gauge",
         "1 while a hardware fault class holds the GPU unhealthy (the health check drains the node)",

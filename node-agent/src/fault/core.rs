@@ -464,6 +464,19 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
         simulated = ctx.simulated,
         "decision"
     );
+    // Each Xid of the fault counted once (a fault decided again counts only its new Xids), by
+    // its own class: an unknown one is surfaced (metric, alert), not only logged.
+    let seen: Vec<u32> = st
+        .history
+        .iter()
+        .rev()
+        .find(|r| r.fault_id == ev.id)
+        .map(|r| r.xids.clone())
+        .unwrap_or_default();
+    for x in ev.xids.iter().filter(|x| !seen.contains(x)) {
+        let class = ctx.classifier.class_of_fault(&[*x], ev.recovery);
+        *st.xid_totals.entry((ev.gpu, *x, class)).or_default() += 1;
+    }
     let totals = st.totals.entry(ev.gpu).or_default();
     if let Some(old) = st.history.iter_mut().rev().find(|r| r.fault_id == ev.id) {
         totals.hit_jobs += record

@@ -27,6 +27,8 @@ pub struct Signal {
     /// error line or its state. GPU-wide sources (NVML, kernel log) leave it unset.
     pub domain: Option<u32>,
     pub secondary: bool,
+    /// What an Xid 154 line says the GPU needs now.
+    pub recovery: Option<crate::fault::classify::RecoveryAction>,
     pub detail: String,
     pub at: Instant,
     pub at_ms: u64,
@@ -48,6 +50,7 @@ impl Signal {
             culprit: None,
             domain: None,
             secondary: false,
+            recovery: None,
             detail: String::new(),
             at: Instant::now(),
             at_ms: crate::sys::now_ms(),
@@ -77,6 +80,8 @@ pub struct FaultEvent {
     pub detail: String,
     /// Some of its evidence was read after an agent restart (it happened while the agent was down).
     pub replayed: bool,
+    /// The latest recovery action an Xid 154 line of this fault named.
+    pub recovery: Option<crate::fault::classify::RecoveryAction>,
 }
 
 impl FaultEvent {
@@ -95,6 +100,7 @@ impl FaultEvent {
             last: s.at,
             detail: String::new(),
             replayed: false,
+            recovery: None,
         };
         e.absorb(s);
         e
@@ -124,6 +130,9 @@ impl FaultEvent {
         self.sources.insert(s.source);
         self.domains.extend(s.domain);
         self.replayed |= s.replayed;
+        if s.recovery.is_some() {
+            self.recovery = s.recovery;
+        }
         if self.reported_pid.is_none() {
             self.reported_pid = s.reported_pid;
         }

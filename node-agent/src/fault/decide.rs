@@ -127,7 +127,7 @@ fn class_of(ev: &FaultEvent, classifier: &Classifier) -> FaultClass {
     if ev.xids.is_empty() && !ev.domains.is_empty() {
         FaultClass::AppServer
     } else {
-        classifier.class_of_all(&ev.xids)
+        classifier.class_of_fault(&ev.xids, ev.recovery)
     }
 }
 
@@ -272,6 +272,7 @@ mod tests {
             last: Instant::now(),
             detail: String::new(),
             replayed: false,
+            recovery: None,
         }
     }
 

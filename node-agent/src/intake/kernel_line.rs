@@ -68,6 +68,8 @@ pub struct KernelXid {
     pub name: Option<String>,
     /// The line says it was caused by a previous Xid.
     pub secondary: bool,
+    /// Xid 154's new recovery action code (`... changed from 0x0 (None) to 0x2 (...)`).
+    pub recovery_code: Option<u32>,
     /// Text after the Xid number, for the log.
     pub detail: String,
 }
@@ -139,6 +141,7 @@ pub fn parse_line(line: &str) -> Option<KernelLine> {
         .map(str::to_string);
     let lower = detail.to_ascii_lowercase();
     let secondary = lower.contains("previous xid") || lower.contains("due to previous");
+    let recovery_code = (xid == 154).then(|| recovery_code(&detail)).flatten();
     Some(KernelLine::Xid(KernelXid {
         pci,
         gpu_instance,
@@ -146,8 +149,20 @@ pub fn parse_line(line: &str) -> Option<KernelLine> {
         pid,
         name,
         secondary,
+        recovery_code,
         detail,
     }))
+}
+
+/// The code after `to 0x` in Xid 154's `GPU recovery action changed from 0x0 (None) to 0x2 (Node
+/// Reboot Required)`: the number the driver prints, not the words beside it.
+fn recovery_code(detail: &str) -> Option<u32> {
+    let (_, after) = detail.split_once(" to 0x")?;
+    let hex: String = after
+        .chars()
+        .take_while(|c| c.is_ascii_hexdigit())
+        .collect();
+    u32::from_str_radix(&hex, 16).ok()
 }
 
 /// Value of `key` up to the next `,` or space, with quotes removed.
@@ -197,6 +212,20 @@ mod tests {
         bus: 0,
         device: 6,
     };
+
+    #[test]
+    fn xid_154_names_its_recovery_action_by_code() {
+        let x = xid("NVRM: Xid (PCI:0000:3b:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)");
+        assert_eq!((x.xid, x.recovery_code), (154, Some(2)));
+        let x = xid("NVRM: Xid (PCI:0000:3b:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)");
+        assert_eq!(x.recovery_code, Some(0));
+        assert_eq!(
+            xid("NVRM: Xid (PCI:0000:3b:00): 154, something else").recovery_code,
+            None
+        );
+        let x = xid("NVRM: Xid (PCI:0000:3b:00): 31, pid=1, name=x, ... to 0x2 ...");
+        assert_eq!(x.recovery_code, None, "only Xid 154 carries one");
+    }
 
     #[test]
     fn knowledge_sample_xid31() {

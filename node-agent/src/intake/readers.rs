@@ -282,6 +282,9 @@ pub fn signal_from_kernel(line: &kernel_line::KernelLine, source: Source) -> Opt
             let mut s = Signal::new(source, GpuRef::Pci(x.pci), Some(x.xid));
             s.reported_pid = x.pid;
             s.secondary = x.secondary;
+            s.recovery = x
+                .recovery_code
+                .and_then(crate::fault::classify::RecoveryAction::from_code);
             s.detail = x.detail.clone();
             Some(s)
         }

@@ -415,6 +415,8 @@ pub struct State {
     pub down_exits: DownExits,
     /// Rungs of the escalation ladder climbed since the agent started, per GPU (a counter).
     pub escalations: BTreeMap<(u32, mpsr_proto::EscalationRung), u64>,
+    /// Xids seen in decided faults since the agent started, per (GPU, Xid, the Xid's class).
+    pub xid_totals: BTreeMap<(u32, u32, mpsr_proto::FaultClass), u64>,
     /// Registry changes not yet in the journal file.
     pub journal_pending: Vec<crate::store::journal::Entry>,
     pub next_seq: u64,
