@@ -1581,7 +1581,9 @@ fn skip(why: &str) {
     }
 }
 
-/// Under systemd (`Type=notify`) the agent says READY=1 once its socket serves.
+/// Under systemd (`Type=notify`) the agent says READY=1 once its socket serves; with
+/// `WatchdogSec=` it pings WATCHDOG=1 while it answers on its socket, and stops while it is hung
+/// (here SIGSTOPped: systemd would restart it).
 #[test]
 fn the_agent_tells_systemd_when_it_is_ready() {
     let mut e = Env::new("");
@@ -1596,6 +1598,7 @@ fn the_agent_tells_systemd_when_it_is_ready() {
         .arg("--config")
         .arg(e.path().join("agent.toml"))
         .env("NOTIFY_SOCKET", &sock_path)
+        .env("WATCHDOG_USEC", "1000000")
         .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
@@ -1627,6 +1630,31 @@ fn the_agent_tells_systemd_when_it_is_ready() {
         }),
         Ok(Response::Hello { .. })
     ));
+    let pings = |notify: &std::os::unix::net::UnixDatagram, for_: Duration| {
+        let end = Instant::now() + for_;
+        let (mut n, mut buf) = (0, [0u8; 64]);
+        while Instant::now() < end {
+            if let Ok(k) = notify.recv(&mut buf) {
+                n += usize::from(&buf[..k] == b"WATCHDOG=1");
+            }
+        }
+        n
+    };
+    assert!(
+        pings(&notify, Duration::from_secs(3)) >= 3,
+        "pinged every 0.5 s while it answers"
+    );
+    let pid = e.agent.as_ref().unwrap().id() as libc::pid_t;
+    // SAFETY: signals to the agent child this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let _ = pings(&notify, Duration::from_millis(600));
+    assert_eq!(
+        pings(&notify, Duration::from_secs(2)),
+        0,
+        "a hung agent is not pinged for"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
 }
 
 /// `user` isolation: one server per uid. A fault in a user's server hits that user's jobs, no one

@@ -154,6 +154,10 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
     {
         tracing::warn!(error = %e, "telling systemd we are ready failed");
     }
+    // systemd's watchdog, pinged only while the agent answers on its own socket.
+    if let Some(every) = mpsr_agent::sys::watchdog::interval() {
+        mpsr_agent::sys::watchdog::spawn(socket.clone(), every);
+    }
     let mut sig: libc::c_int = 0;
     // SAFETY: set is a valid sigset and sig a valid out-parameter.
     unsafe { libc::sigwait(&set, &mut sig) };

@@ -7,6 +7,7 @@ pub mod memory;
 pub mod notify;
 pub mod process;
 pub mod procfs;
+pub mod watchdog;
 pub mod worker;
 
 use std::sync::{Mutex, MutexGuard};
