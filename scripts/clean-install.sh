@@ -31,6 +31,8 @@ check() { if eval "$2"; then echo "clean-install: ok    $1"; else echo "clean-in
 for b in mpsr-agent mpsrctl mpsr-run mpsr-keeper mpsr-statetool mpsr-simgpu mpsr-simclient; do
   check "$b runs" "chroot '$root' $b --help >/dev/null 2>&1"
 done
+check "maintainer scripts ran (every package configured, the report directory made)" \
+  "[ -d '$root/var/log/mps-resilient/jobs' ] && ! chroot '$root' dpkg-query -W -f '\${db:Status-Abbrev}\n' mps-resilient mps-resilient-spank libmpsr-state | grep -v '^ii'"
 check "plugin and state library link" \
   "! chroot '$root' sh -c 'ldd /usr/lib/*/slurm-wlm/mps_resilient.so /usr/lib/*/libmpsr_state.so*' | grep 'not found'"
 mount -t proc proc "$root/proc"

@@ -34,16 +34,21 @@ fi
 # A Slurm upgrade must rebuild the plugin with the new plugin_version (bindgen's rerun triggers).
 bash tests/plugin_rebuild.sh
 # The Debian packages: built (from the debug build: only their contents are checked here) and
-# installed with dpkg into an empty root (no Slurm there: dependencies are not resolved); the
+# unpacked with dpkg into an empty root (no Slurm there: dependencies are not resolved; the
+# maintainer scripts run in the clean-root install below, which has a shell); the
 # real-Slurm e2e tests then run the installed files, not the build.
 MPSR_DEB_PROFILE=debug bash scripts/build-debs.sh target/debian
 deb_root="$PWD/target/deb-root"
 rm -rf "$deb_root"
 mkdir -p "$deb_root/var/lib/dpkg/info" "$deb_root/var/lib/dpkg/updates"
 touch "$deb_root/var/lib/dpkg/status"
-dpkg --root="$deb_root" --force-depends -i target/debian/*.deb >/dev/null 2>&1 ||
+dpkg --root="$deb_root" --force-depends --unpack target/debian/*.deb >/dev/null 2>&1 ||
   { echo "test: installing the packages into $deb_root failed" >&2; exit 1; }
 export MPSR_INSTALLED_ROOT="$deb_root"
+# What an admin trusts in a package: stripped binaries whose debug info the -dbgsym package holds
+# (by build id), a versioned libc6 dependency, the state library under its SONAME, the report
+# directory's tmpfiles.d rule (applied into the root as systemd-tmpfiles would at boot).
+bash tests/package_checks.sh target/debian "$deb_root"
 # The packages as a site installs them: into a clean Debian root by apt, dependencies resolved.
 if [ "$(id -u)" -eq 0 ]; then
   bash scripts/clean-install.sh bookworm target/debian

@@ -131,3 +131,38 @@ fn healthy_resumes_only_its_own_drain() {
     other.run();
     assert!(other.updates().is_empty(), "{:?}", other.updates());
 }
+
+/// The NHC check (etc/nhc/mpsr.nhc), sourced as NHC does with NHC's `die` and `log` stand-ins:
+/// it fails the node with the agent's reason on exit 5 only; healthy and no-verdict exits pass.
+#[test]
+fn the_nhc_check_fails_the_node_only_on_the_agents_unhealthy_verdict() {
+    let check = mpsr_e2e::repo_root().join("etc/nhc/mpsr.nhc");
+    for (rc, expect_rc, expect) in [
+        (5, 1, format!("DIE 1 {REASON}")),
+        (0, 0, String::new()),
+        (3, 0, "LOG check_mpsr: no verdict from the agent (mpsrctl exit 3".to_string()),
+        (1, 0, "LOG check_mpsr: no verdict".to_string()),
+    ] {
+        let s = Stand::new(&format!("nhc{rc}"), rc, &format!("{REASON}\nmore"), "", "IDLE", "none");
+        let d = s.dir.display();
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "die() {{ echo \"DIE $*\"; }}; log() {{ echo \"LOG $*\"; }}; . {}; check_mpsr; echo \"rc=$?\"",
+                check.display()
+            ))
+            .env("MPSR_NHC_MPSRCTL", format!("{d}/mpsrctl"))
+            .env("MPSR_NHC_SOCKET", format!("{d}/%n.sock"))
+            .env("HOSTNAME_S", "n1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(&format!("rc={expect_rc}")), "exit {rc}: {text}");
+        assert!(text.contains(&expect), "exit {rc}: {text}");
+        if rc != 5 {
+            assert!(!text.contains("DIE"), "exit {rc}: {text}");
+        }
+        let args = std::fs::read_to_string(s.dir.join("mpsrctl.args")).unwrap();
+        assert!(args.contains(&format!("--socket {d}/n1.sock")), "{args}");
+    }
+}
