@@ -4,6 +4,8 @@
 # clock-jump test) and promtool. Needs root (uses sudo when not root). A Rust toolchain (cargo) must already be installed (https://rustup.rs).
 set -euo pipefail
 PKGS=(slurmctld slurmd slurm-client munge libslurm-dev clang libclang-dev faketime)
+# Packaging checks: lintian for the .debs; rpm (rpmbuild, rpm2cpio), cpio and rpmlint for the RPMs.
+PKGS+=(lintian rpm rpmlint cpio)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

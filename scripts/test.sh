@@ -49,6 +49,14 @@ export MPSR_INSTALLED_ROOT="$deb_root"
 # (by build id), a versioned libc6 dependency, the state library under its SONAME, the report
 # directory's tmpfiles.d rule (applied into the root as systemd-tmpfiles would at boot).
 bash tests/package_checks.sh target/debian "$deb_root"
+# lintian: no error (its two warnings are about libmpsr-state's name, see the closing notes).
+if ! lint=$(lintian --fail-on error --tag-display-limit 0 target/debian/*.deb 2>&1); then
+  echo "$lint" >&2; echo "test: lintian found errors in the .debs" >&2; exit 1
+fi
+echo "test: lintian: no errors; $(grep -c '^W: ' <<<"$lint" || true) warning(s)"
+# The RPMs, from the same package description (EL paths: /usr/lib64/slurm, /usr/lib/systemd).
+MPSR_PKG_PROFILE=debug bash scripts/build-packages.sh rpm target/rpm
+bash tests/rpm_checks.sh target/rpm
 # The packages as a site installs them: into a clean Debian root by apt, dependencies resolved.
 if [ "$(id -u)" -eq 0 ]; then
   bash scripts/clean-install.sh bookworm target/debian

@@ -3,4 +3,6 @@
 
 fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmpsr_state.so.0");
+    // Both symbol hash tables, as distributions link their libraries (older loaders read .hash).
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--hash-style=both");
 }
