@@ -12,7 +12,7 @@ if [ ! -f "$base/root/usr/include/slurm/spank.h" ]; then
   mkdir -p "$base/apt/state/lists/partial" "$base/apt/cache/archives/partial" "$base/apt/prefs" "$base/root"
   echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $suite main" \
     >"$base/apt/sources.list"
-  opts=(-o "Dir::Etc::sourcelist=$base/apt/sources.list" -o Dir::Etc::sourceparts=-
+  opts=(-o "Dir::Etc::sourcelist=$base/apt/sources.list" -o Dir::Etc::sourceparts=- -o Acquire::Check-Valid-Until=false
         -o "Dir::Etc::preferencesparts=$base/apt/prefs" -o "Dir::State=$base/apt/state"
         -o "Dir::Cache=$base/apt/cache" -o "APT::Architecture=$(dpkg --print-architecture)")
   apt-get "${opts[@]}" -qq update >&2

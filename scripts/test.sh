@@ -17,17 +17,23 @@ MPSR_BIN_DIR=target/debug bash scripts/manpages.sh target/man
 # Tests that cannot run here say why in this file; they are listed at the end, not counted as passed.
 export MPSR_SKIP_LOG="$PWD/target/skipped-tests.txt"
 rm -f "$MPSR_SKIP_LOG"
-# The plugin's Slurm >= 23.11 code path (mpsr-run inserted with spank_prepend_task_argv): built and
-# unit-tested against Slurm 24.11's own spank.h (Debian trixie's libslurm-dev, fetched into target/
-# without touching the host's packages). Without the network, it is only type-checked against this
-# host's header plus the 23.11 addition, and that is listed as skipped.
-slurm_24=no
-if inc=$(bash scripts/slurm-headers.sh trixie 2>/dev/null); then
-  CARGO_TARGET_DIR=target/slurm-24.11 SLURM_INCLUDE_DIR="$inc" cargo build --locked -q -p mpsr-spank
-  CARGO_TARGET_DIR=target/slurm-24.11 SLURM_INCLUDE_DIR="$inc" cargo test --locked -q -p mpsr-spank
-  slurm_24=yes
-else
-  echo "spank-plugin vs Slurm 24.11: trixie's libslurm-dev unreachable; type-checked against spank-plugin/compat/slurm-23.11 only" >> "$MPSR_SKIP_LOG"
+# The plugin built and unit-tested against newer Slurm releases' own spank.h (Debian trixie's
+# libslurm-dev: 24.11; forky's: 26.05; fetched into target/ without touching the host's
+# packages); their Slurm >= 23.11 code path (mpsr-run inserted with spank_prepend_task_argv).
+# Without the network, only type-checked against this host's header plus the 23.11 addition, and
+# that is listed as skipped.
+newer=()   # "suite:release" of each newer Slurm the plugin was built for
+for sr in trixie:24.11 forky:26.05; do
+  suite=${sr%%:*} rel=${sr#*:}
+  if inc=$(bash scripts/slurm-headers.sh "$suite" 2>/dev/null); then
+    CARGO_TARGET_DIR=target/slurm-$rel SLURM_INCLUDE_DIR="$inc" cargo build --locked -q -p mpsr-spank
+    CARGO_TARGET_DIR=target/slurm-$rel SLURM_INCLUDE_DIR="$inc" cargo test --locked -q -p mpsr-spank
+    newer+=("$sr")
+  else
+    echo "spank-plugin vs Slurm $rel: $suite's libslurm-dev unreachable (network?); not built" >> "$MPSR_SKIP_LOG"
+  fi
+done
+if [ ${#newer[@]} -eq 0 ]; then
   CARGO_TARGET_DIR=target/compat-23.11 SLURM_INCLUDE_DIR="$PWD/spank-plugin/compat/slurm-23.11" \
     cargo check --locked -q -p mpsr-spank
 fi
@@ -89,27 +95,41 @@ if [ "$(id -u)" -ne 0 ]; then
 else
   cargo test --workspace --locked
 fi
-# The real-Slurm e2e suite again on Slurm 24.11: its slurmctld, slurmd, munged and commands run in a
-# Debian trixie root (scripts/slurm-root.sh: made once with mmdebstrap, kept in
-# /var/cache/mps-resilient) and load the plugin built against 24.11's spank.h; agents on the host.
+# The real-Slurm e2e suite again on each newer Slurm: its slurmctld, slurmd, munged and commands
+# run in a Debian root of that suite (scripts/slurm-root.sh: made once with mmdebstrap, kept in
+# /var/cache/mps-resilient) and load the plugin built against that release's spank.h; agents on
+# the host. Each release's skips are its own: what 22.05 skipped because it cannot (no
+# spank_prepend_task_argv) a newer release ran; the upgrade test (the previous plugin is built for
+# 22.05) only 22.05 runs.
 if [ "$(id -u)" -ne 0 ]; then
-  echo "e2e on Slurm 24.11: not run (needs root: it mounts into and chroots to a trixie root)" >> "$MPSR_SKIP_LOG"
-elif [ $slurm_24 = yes ] && root=$(bash scripts/slurm-root.sh up trixie); then
-  trap 'bash scripts/slurm-root.sh down trixie' EXIT
-  echo "test: the e2e suite on Slurm $(chroot "$root" slurmd -V)"
-  env -u MPSR_INSTALLED_ROOT MPSR_SLURM_ROOT="$root" \
-    MPSR_PLUGIN_SO="$PWD/target/slurm-24.11/debug/libmpsr_spank.so" \
-    MPSR_SKIP_LOG="$MPSR_SKIP_LOG.24" cargo test --locked -p mpsr-e2e --test slurm
-  # What 22.05 skipped because it cannot do it, 24.11 ran: only 24.11's own skips are reported.
-  grep -v "^resume_needs_no_typed_supervisor_where_slurm_can_insert_it:" "$MPSR_SKIP_LOG" > "$MPSR_SKIP_LOG.22" || true
-  # And the upgrade test, which 22.05 ran, 24.11 cannot (the previous plugin is built for 22.05).
-  grep -v "^a_rolling_upgrade_and_a_downgrade_keep_running_jobs_protected:" "$MPSR_SKIP_LOG.24" > "$MPSR_SKIP_LOG.24b" 2>/dev/null || true
-  mv -f "$MPSR_SKIP_LOG.24b" "$MPSR_SKIP_LOG.24" 2>/dev/null || true
-  cat "$MPSR_SKIP_LOG.22" "$MPSR_SKIP_LOG.24" 2>/dev/null > "$MPSR_SKIP_LOG" || true
-  bash scripts/slurm-root.sh down trixie
-  trap - EXIT
+  echo "e2e on Slurm ${newer[*]:-24.11 and 26.05}: not run (needs root: it mounts into and chroots to a Debian root)" >> "$MPSR_SKIP_LOG"
 else
-  echo "e2e on Slurm 24.11: not run (no 24.11 headers or no trixie root: network?)" >> "$MPSR_SKIP_LOG"
+  cp "$MPSR_SKIP_LOG" "$MPSR_SKIP_LOG.host" 2>/dev/null || : > "$MPSR_SKIP_LOG.host"
+  if [ ${#newer[@]} -gt 0 ]; then
+    grep -v "^resume_needs_no_typed_supervisor_where_slurm_can_insert_it:" "$MPSR_SKIP_LOG.host" > "$MPSR_SKIP_LOG.all" || true
+  else
+    cp "$MPSR_SKIP_LOG.host" "$MPSR_SKIP_LOG.all"
+  fi
+  for sr in "${newer[@]}"; do
+    suite=${sr%%:*} rel=${sr#*:}
+    if root=$(bash scripts/slurm-root.sh up "$suite"); then
+      trap "bash scripts/slurm-root.sh down $suite" EXIT
+      echo "test: the e2e suite on Slurm $(chroot "$root" slurmd -V)"
+      env -u MPSR_INSTALLED_ROOT MPSR_SLURM_ROOT="$root" \
+        MPSR_PLUGIN_SO="$PWD/target/slurm-$rel/debug/libmpsr_spank.so" \
+        MPSR_SKIP_LOG="$MPSR_SKIP_LOG.$rel" cargo test --locked -p mpsr-e2e --test slurm
+      grep -v "^a_rolling_upgrade_and_a_downgrade_keep_running_jobs_protected:" "$MPSR_SKIP_LOG.$rel" 2>/dev/null |
+        sed "s/^/[Slurm $rel] /" >> "$MPSR_SKIP_LOG.all" || true
+      bash scripts/slurm-root.sh down "$suite"
+      trap - EXIT
+    else
+      echo "e2e on Slurm $rel: not run (no $suite root: network?)" >> "$MPSR_SKIP_LOG.all"
+    fi
+  done
+  for sr in trixie:24.11 forky:26.05; do
+    [[ " ${newer[*]} " == *" $sr "* ]] || echo "e2e on Slurm ${sr#*:}: not run (no ${sr%%:*} headers: network?)" >> "$MPSR_SKIP_LOG.all"
+  done
+  mv -f "$MPSR_SKIP_LOG.all" "$MPSR_SKIP_LOG"
 fi
 # The driver patch: C unit test, apply + build nvidia.ko/nvidia-uvm.ko against Debian's open source
 # and kernel headers, check the built module (driver-patch/README.md). Never loads a module.

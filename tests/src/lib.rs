@@ -893,6 +893,13 @@ gpus = {}
 
     /// Submits a batch script as `user`; returns the job id.
     pub fn sbatch(&self, user: &str, args: &str, script: &str) -> Result<u32> {
+        self.sbatch_env(user, "", args, script)
+    }
+
+    /// `sbatch` with `env` (`VAR=value ...`) in the submitting environment (exported to the job,
+    /// as `--export=ALL` does: Slurm 26.05 makes `--export=...,VAR=value` fetch the user's login
+    /// environment, which a user without a shell does not have).
+    pub fn sbatch_env(&self, user: &str, env: &str, args: &str, script: &str) -> Result<u32> {
         let n = std::fs::read_dir(self.jobs())?.count();
         let path = self.jobs().join(format!("script{n}.sh"));
         let mut f = std::fs::File::create(&path)?;
@@ -901,7 +908,7 @@ gpus = {}
         let out = self.cmd_as(
             user,
             &format!(
-                "sbatch --parsable -o %j.out -e %j.out {args} {}",
+                "{env} sbatch --parsable -o %j.out -e %j.out {args} {}",
                 path.display()
             ),
         )?;
@@ -919,10 +926,32 @@ gpus = {}
             })
     }
 
+    /// The job's fields from `scontrol show job`, with its state and restart count (`JobState`,
+    /// `Restarts`) from `squeue -O` with those fields alone: scontrol's line repeats the job's
+    /// name among its fields (Slurm 26.05 twice), so a name such as `x JobState=COMPLETED` read
+    /// there stands in for them. (`ExitCode` stays scontrol's: 22.05's squeue prints no signal.)
     pub fn job(&self, id: u32) -> BTreeMap<String, String> {
-        self.cmd(&format!("scontrol -o show job {id}"))
+        let mut fields = self
+            .cmd(&format!("scontrol -o show job {id}"))
             .map(|o| parse_kv(&String::from_utf8_lossy(&o.stdout)))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        fields.remove("JobState");
+        fields.remove("Restarts");
+        let Ok(o) = self.cmd(&format!(
+            "squeue -h --states=all -j {id} -O 'JobID:|,State:|,RestartCnt:|'"
+        )) else {
+            return fields;
+        };
+        let text = String::from_utf8_lossy(&o.stdout);
+        if let Some(f) = text
+            .lines()
+            .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>())
+            .find(|f| f.len() >= 3 && f[0] == id.to_string())
+        {
+            fields.insert("JobState".into(), f[1].to_string());
+            fields.insert("Restarts".into(), f[2].to_string());
+        }
+        fields
     }
 
     /// The job's AdminComment, from `squeue --json` (the multi-line `scontrol show job` can be

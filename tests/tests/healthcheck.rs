@@ -140,10 +140,21 @@ fn the_nhc_check_fails_the_node_only_on_the_agents_unhealthy_verdict() {
     for (rc, expect_rc, expect) in [
         (5, 1, format!("DIE 1 {REASON}")),
         (0, 0, String::new()),
-        (3, 0, "LOG check_mpsr: no verdict from the agent (mpsrctl exit 3".to_string()),
+        (
+            3,
+            0,
+            "LOG check_mpsr: no verdict from the agent (mpsrctl exit 3".to_string(),
+        ),
         (1, 0, "LOG check_mpsr: no verdict".to_string()),
     ] {
-        let s = Stand::new(&format!("nhc{rc}"), rc, &format!("{REASON}\nmore"), "", "IDLE", "none");
+        let s = Stand::new(
+            &format!("nhc{rc}"),
+            rc,
+            &format!("{REASON}\nmore"),
+            "",
+            "IDLE",
+            "none",
+        );
         let d = s.dir.display();
         let out = Command::new("bash")
             .arg("-c")
@@ -157,7 +168,10 @@ fn the_nhc_check_fails_the_node_only_on_the_agents_unhealthy_verdict() {
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(text.contains(&format!("rc={expect_rc}")), "exit {rc}: {text}");
+        assert!(
+            text.contains(&format!("rc={expect_rc}")),
+            "exit {rc}: {text}"
+        );
         assert!(text.contains(&expect), "exit {rc}: {text}");
         if rc != 5 {
             assert!(!text.contains("DIE"), "exit {rc}: {text}");

@@ -1686,7 +1686,7 @@ fn shards_on_one_node_and_gres_mps_on_another_are_both_protected() {
     }
 }
 
-/// The job's environment is the user's: a job exported with `SLURM_RESTART_COUNT=4294967295`
+/// The job's environment is the user's: a job submitted with `SLURM_RESTART_COUNT=4294967295`
 /// overflowed the agent's requeue bookkeeping, and in the debug build its Slurm worker died, so
 /// no job of any user on that node was requeued from then on (issue 31). Now Slurm's own count
 /// (the prolog's) wins: the forger's job is requeued like any other, and so are the others after.
@@ -1696,9 +1696,10 @@ fn a_forged_restart_count_neither_kills_the_slurm_worker_nor_skips_a_requeue() {
         return;
     };
     let forged = c
-        .sbatch(
+        .sbatch_env(
             "nobody",
-            "-w n1 --gres=shard:1 --mps-resilient --mps-isolation=job --export=ALL,SLURM_RESTART_COUNT=4294967295",
+            "SLURM_RESTART_COUNT=4294967295",
+            "-w n1 --gres=shard:1 --mps-resilient --mps-isolation=job",
             &client_script(120, 1),
         )
         .unwrap();
