@@ -104,6 +104,9 @@ pub struct TelemetryConfig {
     pub step_dir: PathBuf,
     /// Findings kept for events and job reports.
     pub findings_kept: usize,
+    /// Per-process series carry a `pid` label (a new series every run: off by default; ranks
+    /// are told by `hpc_job`, `step` and `task`).
+    pub pid_labels: bool,
     /// Per-rule changes: `[telemetry.rules.<name>]` enabled, raise, clear, window_s, clear_s.
     pub rules: BTreeMap<String, mpsr_telemetry::rules::Tuning>,
 }
@@ -126,6 +129,7 @@ impl Default for TelemetryConfig {
             sysfs: "/sys".into(),
             step_dir: mpsr_telemetry::steps::DEFAULT_DIR.into(),
             findings_kept: 1_000,
+            pid_labels: false,
             rules: BTreeMap::new(),
         }
     }

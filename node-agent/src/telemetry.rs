@@ -75,6 +75,7 @@ impl Agent {
                 findings: active,
                 rounds: round,
                 cpu_seconds: thread_cpu_seconds(),
+                pid_labels: cfg.pid_labels,
             };
             std::thread::sleep(interval.saturating_sub(t0.elapsed()));
         }

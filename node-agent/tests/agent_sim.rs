@@ -2881,7 +2881,7 @@ fn the_prometheus_rules_fire_on_what_the_agent_exports() {
                 if gpu1 {
                     let keep: Vec<(String, String)> = labels
                         .iter()
-                        .filter(|(k, _)| ["hpc_job", "gpu", "pid"].contains(&k.as_str()))
+                        .filter(|(k, _)| ["hpc_job", "gpu", "task"].contains(&k.as_str()))
                         .cloned()
                         .collect();
                     let l = with(&keep, &[("instance", "n2"), ("severity", "warning")]);

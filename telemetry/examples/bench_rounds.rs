@@ -48,6 +48,7 @@ fn main() {
         findings: d.active(),
         rounds,
         cpu_seconds: 0.0,
+        pid_labels: false,
     })));
     let n = 500;
     let t1 = Instant::now();

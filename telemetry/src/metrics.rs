@@ -15,27 +15,36 @@ use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-type Labels = Vec<(String, String)>;
+/// A series' labels, in order.
+pub type Labels = Vec<(String, String)>;
 
-struct Family {
+/// One metric family: its rows, each a label set and a value.
+#[derive(Debug, Clone)]
+pub struct Family {
     name: &'static str,
     help: &'static str,
     counter: bool,
     rows: Vec<(Labels, f64)>,
 }
 
-fn l(pairs: &[(&str, String)]) -> Labels {
+/// Labels from `(name, value)` pairs.
+pub fn l(pairs: &[(&str, String)]) -> Labels {
     pairs
         .iter()
         .map(|(k, v)| (k.to_string(), v.clone()))
         .collect()
 }
 
-#[derive(Default)]
-struct Fams(Vec<Family>);
+/// Metric families being built; encoded by prometheus-client (values escaped as the text
+/// format wants). The agent's own families are built with it too (node-agent api/fault_metrics).
+#[derive(Debug, Default)]
+pub struct Families(Vec<Family>);
 
-impl Fams {
-    fn add(
+impl Families {
+    /// A row; one with the same labels as an earlier row of the family is merged into it (a
+    /// counter or a `_bytes` gauge summed, another gauge its maximum): without `pid` labels two
+    /// processes of one task on one GPU share a label set.
+    pub fn add(
         &mut self,
         name: &'static str,
         help: &'static str,
@@ -47,7 +56,11 @@ impl Fams {
             return;
         }
         match self.0.iter_mut().find(|f| f.name == name) {
-            Some(f) => f.rows.push((labels, v)),
+            Some(f) => match f.rows.iter_mut().find(|(ls, _)| *ls == labels) {
+                Some((_, old)) if counter || name.ends_with("_bytes") => *old += v,
+                Some((_, old)) => *old = old.max(v),
+                None => f.rows.push((labels, v)),
+            },
             None => self.0.push(Family {
                 name,
                 help,
@@ -56,7 +69,8 @@ impl Fams {
             }),
         }
     }
-    fn opt(
+    /// A row when there is a value.
+    pub fn opt(
         &mut self,
         name: &'static str,
         help: &'static str,
@@ -71,7 +85,7 @@ impl Fams {
 }
 
 fn families(s: &Snapshot) -> Vec<Family> {
-    let mut out = Fams::default();
+    let mut out = Families::default();
     out.add(
         "mpsr_telemetry_info",
         "1; labels say the node and whether its GPUs are SIMULATED",
@@ -112,7 +126,7 @@ fn families(s: &Snapshot) -> Vec<Family> {
 }
 
 /// A GPU's series (`mpsr_gpu_up` for each, the rest for one that answered).
-fn gpu_families(out: &mut Fams, r: &GpuReading, uuid_of: &BTreeMap<u32, String>) {
+fn gpu_families(out: &mut Families, r: &GpuReading, uuid_of: &BTreeMap<u32, String>) {
     let gl = |extra: &[(&str, String)]| {
         let mut v = l(&[
             ("gpu", r.gpu().to_string()),
@@ -137,7 +151,7 @@ fn gpu_families(out: &mut Fams, r: &GpuReading, uuid_of: &BTreeMap<u32, String>)
 }
 
 /// Utilization, memory and clocks.
-fn gpu_activity(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+fn gpu_activity(out: &mut Families, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
     let f = |v: Option<u64>| v.map(|v| v as f64);
     out.opt(
         "mpsr_gpu_utilization_ratio",
@@ -196,7 +210,7 @@ fn gpu_activity(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -
 }
 
 /// Power, energy and temperature.
-fn gpu_power(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+fn gpu_power(out: &mut Families, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
     out.opt(
         "mpsr_gpu_power_watts",
         "Power draw (NVML, 1 s average on Hopper)",
@@ -235,7 +249,7 @@ fn gpu_power(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> L
 }
 
 /// ECC errors, row remapping and PCIe replays: what wears out.
-fn gpu_errors(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+fn gpu_errors(out: &mut Families, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
     let f = |v: Option<u64>| v.map(|v| v as f64);
     for (kind, counter, v) in [
         ("corrected", "volatile", g.ecc_corrected_volatile),
@@ -287,7 +301,7 @@ fn gpu_errors(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> 
 }
 
 /// PCIe and NVLink links.
-fn gpu_links(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+fn gpu_links(out: &mut Families, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
     let f = |v: Option<u64>| v.map(|v| v as f64);
     out.opt(
         "mpsr_gpu_pcie_link_gen",
@@ -341,7 +355,11 @@ fn gpu_links(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> L
 }
 
 /// Time clocks were held down by a limit, and GPM pipe activity.
-fn gpu_limits_and_pipes(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, String)]) -> Labels) {
+fn gpu_limits_and_pipes(
+    out: &mut Families,
+    g: &GpuSample,
+    gl: &impl Fn(&[(&str, String)]) -> Labels,
+) {
     out.opt(
         "mpsr_gpu_clock_violation_seconds",
         "Time clocks were held down by a limit",
@@ -387,14 +405,18 @@ fn gpu_limits_and_pipes(out: &mut Fams, g: &GpuSample, gl: &impl Fn(&[(&str, Str
 }
 
 /// Per-process series of the GPU clients, and per-job sums of them.
-fn client_and_job_families(out: &mut Fams, s: &Snapshot, uuid_of: &BTreeMap<u32, String>) {
+fn client_and_job_families(out: &mut Families, s: &Snapshot, uuid_of: &BTreeMap<u32, String>) {
     let mut jobs: BTreeMap<(u32, u32), (f64, u32)> = BTreeMap::new();
     for c in &s.tick.clients {
         let mut labels = l(&[
             ("gpu", c.gpu.to_string()),
             ("UUID", uuid_of.get(&c.gpu).cloned().unwrap_or_default()),
-            ("pid", c.pid.to_string()),
         ]);
+        // A pid is a new series every run (churn in Prometheus): off unless asked for; a rank is
+        // told by its job, step and task.
+        if s.pid_labels {
+            labels.push(("pid".into(), c.pid.to_string()));
+        }
         if let Some(o) = c.owner {
             labels.extend(l(&[
                 ("hpc_job", o.job.to_string()),
@@ -475,7 +497,7 @@ fn client_and_job_families(out: &mut Fams, s: &Snapshot, uuid_of: &BTreeMap<u32,
 }
 
 /// Network ports, and the pathology findings active now.
-fn nic_and_finding_families(out: &mut Fams, s: &Snapshot) {
+fn nic_and_finding_families(out: &mut Families, s: &Snapshot) {
     for n in &s.tick.nics {
         let labels = l(&[("port", n.port.clone())]);
         for (name, help, v) in [
@@ -514,7 +536,14 @@ fn nic_and_finding_families(out: &mut Fams, s: &Snapshot) {
             _ => {}
         }
         match &f.subject {
-            Subject::Client { pid, .. } => labels.push(("pid".into(), pid.to_string())),
+            Subject::Client { pid, .. } if s.pid_labels => {
+                labels.push(("pid".into(), pid.to_string()))
+            }
+            Subject::Client { .. } => {
+                if let Some(o) = f.owner {
+                    labels.push(("task".into(), o.task.to_string()));
+                }
+            }
             Subject::Nic { port } => labels.push(("port".into(), port.clone())),
             Subject::Server { slot, .. } => labels.push(("server".into(), slot.to_string())),
             _ => {}
@@ -534,9 +563,39 @@ fn nic_and_finding_families(out: &mut Fams, s: &Snapshot) {
 pub struct Exporter(pub Arc<Mutex<Snapshot>>);
 
 impl Collector for Exporter {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    fn encode(&self, encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let snap = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        for fam in families(&snap) {
+        encode_families(encoder, families(&snap))
+    }
+}
+
+/// Families built elsewhere (the agent's own), encoded as a collector.
+#[derive(Debug)]
+struct Built(Mutex<Vec<Family>>);
+
+impl Collector for Built {
+    fn encode(&self, encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let fams = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        encode_families(encoder, fams)
+    }
+}
+
+/// The Prometheus text of `families`.
+pub fn encode(families: Families) -> String {
+    let mut reg = Registry::default();
+    reg.register_collector(Box::new(Built(Mutex::new(families.0))));
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &reg);
+    out
+}
+
+fn encode_families(
+    mut encoder: DescriptorEncoder,
+    fams: Vec<Family>,
+) -> Result<(), std::fmt::Error> {
+    {
+        for fam in fams {
             let ty = if fam.counter {
                 MetricType::Counter
             } else {
@@ -552,8 +611,8 @@ impl Collector for Exporter {
                 }
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// The text a scrape returns.
@@ -610,8 +669,16 @@ mod tests {
             findings: vec![],
             rounds: 3,
             cpu_seconds: 0.01,
+            pid_labels: false,
         };
-        let text = render(&Exporter(Arc::new(Mutex::new(snap))));
+        let text = render(&Exporter(Arc::new(Mutex::new(snap.clone()))));
+        assert!(!text.contains("pid="), "no pid labels by default: {text}");
+        assert!(text.contains(r#"task="#), "{text}");
+        let with_pids = render(&Exporter(Arc::new(Mutex::new(Snapshot {
+            pid_labels: true,
+            ..snap
+        }))));
+        assert!(with_pids.contains(r#"pid="42""#), "{with_pids}");
         assert!(
             text.contains(r#"mpsr_gpu_utilization_ratio{gpu="0",UUID="GPU-x"} 0.5"#),
             "{text}"
@@ -624,5 +691,20 @@ mod tests {
             !text.contains("mpsr_client_sm_utilization_ratio"),
             "no value, no series"
         );
+    }
+
+    /// Label values are escaped (a node name or reason with a quote or backslash stays one
+    /// value), and rows with one label set are merged, not repeated (invalid exposition).
+    #[test]
+    fn built_families_are_escaped_and_merged() {
+        let mut f = Families::default();
+        let labels = l(&[("node", "a\"b\\c".to_string())]);
+        f.add("x_bytes", "h", false, labels.clone(), 1.0);
+        f.add("x_bytes", "h", false, labels.clone(), 2.0);
+        f.add("x_ratio", "h", false, labels.clone(), 0.2);
+        f.add("x_ratio", "h", false, labels, 0.7);
+        let text = encode(f);
+        assert!(text.contains(r#"x_bytes{node="a\"b\\c"} 3"#), "{text}");
+        assert!(text.contains(r#"x_ratio{node="a\"b\\c"} 0.7"#), "{text}");
     }
 }

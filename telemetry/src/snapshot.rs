@@ -15,4 +15,6 @@ pub struct Snapshot {
     pub rounds: u64,
     /// CPU time the sampling thread has used.
     pub cpu_seconds: f64,
+    /// Per-process series carry a `pid` label (off by default: series churn).
+    pub pid_labels: bool,
 }

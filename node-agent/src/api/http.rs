@@ -58,11 +58,9 @@ fn route(agent: &Agent, method: &Method, url: &str) -> (u16, &'static str, Strin
             agent.backend.simulated(),
         );
         let telemetry = mpsr_telemetry::metrics::render(&agent.exporter);
-        // Telemetry's text ends with `# EOF` (OpenMetrics): the agent's families go before it.
-        let body = match telemetry.strip_suffix("# EOF\n") {
-            Some(t) => format!("{t}{own}# EOF\n"),
-            None => format!("{telemetry}{own}"),
-        };
+        // Both texts end with `# EOF` (OpenMetrics): one, at the end.
+        let strip = |t: &str| t.strip_suffix("# EOF\n").unwrap_or(t).to_string();
+        let body = format!("{}{}# EOF\n", strip(&telemetry), strip(&own));
         return (200, TEXT, body);
     }
     if let Some(id) = path.strip_prefix("/v1/jobs/") {
