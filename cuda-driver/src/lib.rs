@@ -499,22 +499,7 @@ impl Drop for Mapping {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Says why a test did not run and records it for the test command's summary: a skip is not a pass.
-    fn skip(why: &str) {
-        eprintln!("SKIPPED: {why}");
-        if let Ok(p) = std::env::var("MPSR_SKIP_LOG") {
-            use std::io::Write;
-            if let Ok(mut f) = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-            {
-                let name = std::thread::current().name().unwrap_or("?").to_string();
-                let _ = writeln!(f, "{name}: {why}");
-            }
-        }
-    }
+    use mpsr_test_support::skip;
 
     #[test]
     fn sticky_errors_are_told_apart_by_code_not_text() {

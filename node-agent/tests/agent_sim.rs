@@ -6,6 +6,7 @@ use mpsr_proto::{
     Client, CulpritEvidence, DomainId, EscalationRung, FaultAction, FaultClass, FaultOutcome, Mode,
     Registration, Request, Response, ServerState, SignalSource,
 };
+use mpsr_test_support::skip;
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -1563,22 +1564,6 @@ fn a_killed_mps_daemon_is_started_again() {
     });
     let mut c = e.client(0, 0.2, false);
     assert_eq!(exit_code(&mut c, Duration::from_secs(5)), Some(0));
-}
-
-/// Says why a test did not run and records it for the test command's summary: a skip is not a pass.
-fn skip(why: &str) {
-    eprintln!("SKIPPED: {why}");
-    if let Ok(p) = std::env::var("MPSR_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
-        {
-            let name = std::thread::current().name().unwrap_or("?").to_string();
-            let _ = writeln!(f, "{name}: {why}");
-        }
-    }
 }
 
 /// Under systemd (`Type=notify`) the agent says READY=1 once its socket serves; with

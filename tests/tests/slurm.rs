@@ -8,6 +8,7 @@
 
 use mpsr_e2e::{wait_for, Cluster, Options};
 use mpsr_proto::{Request, Response};
+use mpsr_test_support::skip;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -806,22 +807,6 @@ fn the_demo_runs_through_real_slurm() {
         text.contains("SIMULATED"),
         "the demo must say its GPUs are simulated"
     );
-}
-
-/// Says why a test did not run and records it for the test command's summary: a skip is not a pass.
-fn skip(why: &str) {
-    eprintln!("SKIPPED: {why}");
-    if let Ok(p) = std::env::var("MPSR_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
-        {
-            let name = std::thread::current().name().unwrap_or("?").to_string();
-            let _ = writeln!(f, "{name}: {why}");
-        }
-    }
 }
 
 /// The driver patch's containment (phase B, SIMULATED: `[sim] driver_patch = "containment"`) on
