@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub struct Agent {
     pub cfg: Config,
@@ -37,7 +37,6 @@ pub struct Agent {
     pub(crate) domain_ops: Mutex<()>,
     /// Each domain's MPS log tails.
     pub(crate) log_tails: crate::domain::LogTails,
-    pub started: Instant,
     pub keepers: Arc<crate::act::keepers::Keepers>,
     /// The latest telemetry round, published for `/metrics` and `mpsrctl top`.
     pub exporter: mpsr_telemetry::metrics::Exporter,
@@ -122,7 +121,6 @@ impl Agent {
             probes: Mutex::new(None),
             domain_ops: Mutex::new(()),
             log_tails: crate::domain::LogTails::default(),
-            started: Instant::now(),
             keepers,
             exporter: Default::default(),
             cfg,

@@ -6,6 +6,10 @@ use crate::DomainId;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::fmt;
 
+/// What every drain reason and AdminComment line the agent writes into Slurm starts with: the
+/// agent's drains are told from an admin's by it (the health check and NHC check match it too).
+pub const SLURM_TEXT_PREFIX: &str = "mpsr:";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FaultClass {

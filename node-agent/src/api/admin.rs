@@ -1,7 +1,7 @@
 //! Admin and test requests (trusted callers only, checked by the dispatch): simulated faults,
 //! recoveries and pathologies, ending one MPS client, clearing a GPU an operator fixed.
 
-use super::dispatch::Caller;
+use super::caller::Caller;
 use crate::agent::Agent;
 use mpsr_proto::{DomainId, ErrorCode, Response};
 

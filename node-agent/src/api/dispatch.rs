@@ -5,19 +5,10 @@
 
 use super::{admin, jobs, register, standby, tasks, views};
 use crate::agent::Agent;
-use mpsr_proto::{ErrorCode, PeerCred, Request, Response};
+use mpsr_proto::{PeerCred, Request, Response};
 
-/// Who is asking: the kernel's word (SO_PEERCRED), and whether that uid may act on every job
-/// (root, `slurm_user`, `trusted_uids`).
-#[derive(Debug, Clone, Copy)]
-pub struct Caller {
-    pub peer: PeerCred,
-    pub trusted: bool,
-}
-
-pub(super) fn denied(msg: impl Into<String>) -> Response {
-    Response::error(ErrorCode::PermissionDenied, msg)
-}
+use super::caller::denied;
+pub use super::caller::Caller;
 
 /// Who may make a request.
 enum Access {

@@ -1,7 +1,7 @@
 //! The requests about jobs: a run starting and ending on this node (Slurm's prolog and epilog),
 //! and a job's report for its owner.
 
-use super::dispatch::{denied, Caller};
+use super::caller::{denied, Caller};
 use super::views::{redact, redact_pathology};
 use crate::agent::Agent;
 use crate::store::registry::Task;

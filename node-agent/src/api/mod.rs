@@ -4,12 +4,14 @@
 //! sent to the fault worker as signals.
 //!
 //! - `socket`: the listening socket, connection limits, framing.
+//! - `caller`: who is asking, and the refusal (a leaf every handler shares).
 //! - `dispatch`: who may ask what (one table), and the handler of each request.
 //! - `tasks`, `register`, `standby`, `jobs`, `views`, `admin`: the handlers, one module per request
 //!   family (`register`: a task's registration, step by step).
 //! - `http`: `/metrics` and the job endpoints; `http_access`: who may read them.
 
 mod admin;
+pub mod caller;
 pub mod dispatch;
 mod fault_metrics;
 pub mod http;

@@ -3,7 +3,7 @@
 //! record (journaled before the answer), and its admission (held while its domain recovers).
 //! Each step answers the caller itself when it refuses.
 
-use super::dispatch::Caller;
+use super::caller::Caller;
 use super::tasks::context;
 use crate::agent::Agent;
 use crate::domain::{Placement, PlacementError, Tenancy};

@@ -2,7 +2,7 @@
 //! wait (a fault domain other than the task's) with the FIFO that releases it, and arming it once
 //! it runs. The release itself is the fault worker's (`fault::worker`).
 
-use super::dispatch::{denied, Caller};
+use super::caller::{denied, Caller};
 use super::tasks::context;
 use crate::agent::Agent;
 use crate::domain::Placement;

@@ -2,7 +2,7 @@
 //! registration is `register`'s), resume verdicts for `mpsr-run`, and the task a process runs under
 //! (for the state keeper).
 
-use super::dispatch::{denied, Caller};
+use super::caller::{denied, Caller};
 use crate::agent::Agent;
 use crate::domain::{paths, Placement};
 use crate::store::registry::TaskKey;

@@ -1,7 +1,7 @@
 //! What a caller may see of the node: status, decisions and findings, telemetry, health. A user
 //! sees their own jobs only: decisions and findings are redacted to them.
 
-use super::dispatch::Caller;
+use super::caller::Caller;
 use crate::agent::Agent;
 use mpsr_proto::{DecisionRecord, DomainId, GpuStatus, HealthReply, Response, StatusReply};
 

@@ -510,7 +510,7 @@ pub fn enqueue_drain(st: &mut State, node: &str, fault_id: u64, why: String) {
         fault_id,
         SlurmOp::Drain {
             node: node.to_string(),
-            reason: format!("{} {why}", crate::act::slurm::DRAIN_PREFIX),
+            reason: format!("{} {why}", mpsr_proto::fault::SLURM_TEXT_PREFIX),
         },
     );
 }
@@ -644,7 +644,8 @@ fn fault_line(ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job: u32, released: bo
         .into_iter()
         .collect();
     format!(
-        "mpsr: fault {} xid {} ({}) on {} gpu{}: {part}; {}",
+        "{} fault {} xid {} ({}) on {} gpu{}: {part}; {}",
+        mpsr_proto::fault::SLURM_TEXT_PREFIX,
         ev.id,
         if xids.is_empty() {
             "-".to_string()

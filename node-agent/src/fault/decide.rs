@@ -101,7 +101,8 @@ pub fn decide(
         let xids: Vec<String> = ev.xids.iter().map(|x| x.to_string()).collect();
         actions.push(Action::DrainNode {
             reason: format!(
-                "mpsr: xid {} ({class}) on gpu{} of {node}",
+                "{} xid {} ({class}) on gpu{} of {node}",
+                mpsr_proto::fault::SLURM_TEXT_PREFIX,
                 xids.join("+"),
                 ev.gpu
             ),

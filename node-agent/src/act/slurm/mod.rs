@@ -7,6 +7,5 @@ pub mod queue;
 pub mod scontrol;
 mod worker;
 
-/// What every reason and comment line the agent writes into Slurm starts with: a drain the agent
-/// made is told from an admin's by it.
-pub const DRAIN_PREFIX: &str = "mpsr:";
+/// What every drain reason and comment line the agent writes into Slurm starts with.
+pub const DRAIN_PREFIX: &str = mpsr_proto::fault::SLURM_TEXT_PREFIX;

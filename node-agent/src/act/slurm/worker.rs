@@ -86,17 +86,12 @@ impl Agent {
     /// leaves the queue, its key is done, its job and fault get the outcome line).
     fn settle(&self, next: &PendingAction, outcome: Outcome, not_before: &mut Backoff) {
         let mut st = self.state();
-        let attempts = next.attempts + 1;
-        let msg = match &outcome {
-            Outcome::Done(m) | Outcome::Permanent(m) => m.clone(),
-            Outcome::Retry(e) if attempts >= self.slurm.max_attempts() => {
-                format!("gave up after {attempts} attempts: {e}")
-            }
-            Outcome::Retry(e) => {
-                tracing::warn!(key = %next.key, attempt = attempts, error = %e, "Slurm action failed; will retry");
+        let (ok, msg) = match settlement(outcome, next.attempts, self.slurm.max_attempts()) {
+            Settlement::Retry { attempts, error } => {
+                tracing::warn!(key = %next.key, attempt = attempts, error = %error, "Slurm action failed; will retry");
                 if let Some(p) = st.durable.pending.iter_mut().find(|p| p.key == next.key) {
                     p.attempts = attempts;
-                    p.last_error = Some(e.clone());
+                    p.last_error = Some(error);
                 }
                 not_before.insert(
                     next.key.clone(),
@@ -104,8 +99,8 @@ impl Agent {
                 );
                 return;
             }
+            Settlement::Final { ok, detail } => (ok, detail),
         };
-        let ok = matches!(outcome, Outcome::Done(_));
         let job = match &next.op {
             SlurmOp::Requeue { job_id, .. } | SlurmOp::Annotate { job_id, .. } => Some(*job_id),
             SlurmOp::Drain { .. } => None,
@@ -142,5 +137,74 @@ impl Agent {
             );
         }
         self.add_outcome(&mut st, next.fault_id, o);
+    }
+}
+
+/// What one attempt of a Slurm action settles: tried again (with the attempt count it reached),
+/// or final — done, or failed for good (refused for good, or out of attempts).
+#[derive(Debug, PartialEq, Eq)]
+enum Settlement {
+    Retry { attempts: u32, error: String },
+    Final { ok: bool, detail: String },
+}
+
+/// The settlement of an attempt made after `attempts_before` earlier ones, `max_attempts` in all.
+fn settlement(outcome: Outcome, attempts_before: u32, max_attempts: u32) -> Settlement {
+    let attempts = attempts_before + 1;
+    match outcome {
+        Outcome::Done(detail) => Settlement::Final { ok: true, detail },
+        Outcome::Permanent(detail) => Settlement::Final { ok: false, detail },
+        Outcome::Retry(e) if attempts >= max_attempts => Settlement::Final {
+            ok: false,
+            detail: format!("gave up after {attempts} attempts: {e}"),
+        },
+        Outcome::Retry(error) => Settlement::Retry { attempts, error },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refusal that may pass is retried until the attempts run out, then fails for good with
+    /// the last error; a done or permanent outcome is final at once, whatever the count.
+    #[test]
+    fn an_attempt_is_retried_until_the_attempts_run_out() {
+        let retry = || Outcome::Retry("slurmctld down".into());
+        assert_eq!(
+            settlement(retry(), 0, 3),
+            Settlement::Retry {
+                attempts: 1,
+                error: "slurmctld down".into()
+            }
+        );
+        assert_eq!(
+            settlement(retry(), 1, 3),
+            Settlement::Retry {
+                attempts: 2,
+                error: "slurmctld down".into()
+            }
+        );
+        assert_eq!(
+            settlement(retry(), 2, 3),
+            Settlement::Final {
+                ok: false,
+                detail: "gave up after 3 attempts: slurmctld down".into()
+            }
+        );
+        assert_eq!(
+            settlement(Outcome::Done("requeued job 7".into()), 9, 3),
+            Settlement::Final {
+                ok: true,
+                detail: "requeued job 7".into()
+            }
+        );
+        assert_eq!(
+            settlement(Outcome::Permanent("job 7 no longer exists".into()), 0, 3),
+            Settlement::Final {
+                ok: false,
+                detail: "job 7 no longer exists".into()
+            }
+        );
     }
 }
