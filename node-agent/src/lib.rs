@@ -10,7 +10,8 @@
 //!
 //! Beside the path: `domain` (fault domains: placement and their MPS daemons), `gpu` (the GPU
 //! backends, real and simulated), `telemetry` (the telemetry thread), `config`, `sys` (leaf OS
-//! helpers), `agent` (the hub the workers share: its parts, the state read back at start) and
+//! helpers), `signal` (the fault path's shared vocabulary: signals, GPU ids, reader positions; a
+//! leaf), `agent` (the hub the workers share: its parts, the state read back at start) and
 //! `wiring` (starts the workers).
 
 pub mod act;
@@ -21,6 +22,7 @@ pub mod domain;
 pub mod fault;
 pub mod gpu;
 pub mod intake;
+pub mod signal;
 pub mod store;
 pub mod sys;
 pub mod telemetry;

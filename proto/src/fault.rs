@@ -99,6 +99,46 @@ impl fmt::Display for FaultClass {
     }
 }
 
+/// What Xid 154 says the GPU needs now (`GPU recovery action changed from 0x0 (None) to 0x2
+/// (Node Reboot Required)`), by its code, as NVML's `nvmlDeviceGpuRecoveryAction_t` numbers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryAction {
+    None,
+    GpuReset,
+    NodeReboot,
+    DrainP2p,
+    DrainAndReset,
+}
+
+impl RecoveryAction {
+    pub fn from_code(code: u32) -> Option<RecoveryAction> {
+        Some(match code {
+            0 => RecoveryAction::None,
+            1 => RecoveryAction::GpuReset,
+            2 => RecoveryAction::NodeReboot,
+            3 => RecoveryAction::DrainP2p,
+            4 => RecoveryAction::DrainAndReset,
+            _ => return None,
+        })
+    }
+
+    /// The class of an Xid 154 that names this action. A bare 154 (NVML's event carries no
+    /// action) is `device_lost`, the table's. There is no class that drains without hitting the
+    /// running jobs, so "drain and reset" hits them as an uncontained error does.
+    pub fn class(self) -> FaultClass {
+        match self {
+            RecoveryAction::None => FaultClass::Info,
+            RecoveryAction::DrainP2p => FaultClass::Interconnect,
+            RecoveryAction::DrainAndReset => FaultClass::HwUncontained,
+            RecoveryAction::GpuReset | RecoveryAction::NodeReboot => FaultClass::DeviceLost,
+        }
+    }
+}
+
+/// The Xid that carries a [`RecoveryAction`].
+pub const XID_RECOVERY_ACTION: u32 = 154;
+
 /// A decision record's class as written, read forward-compatibly: a class this release does not
 /// know (a newer agent's) is `unknown`.
 pub fn class_or_unknown<'de, D: Deserializer<'de>>(d: D) -> Result<FaultClass, D::Error> {

@@ -4,9 +4,9 @@
 
 use super::{paths, DomainRecord, DomainSpec, PlaceError};
 use crate::agent::Agent;
-use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::gpu::BackendError;
 use crate::intake::readers::LogCursor;
+use crate::signal::{GpuRef, Signal, Source};
 use crate::sys::lock;
 use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
 use std::collections::BTreeSet;

@@ -3,8 +3,8 @@
 //! again writes on in the same files, so its tails go on from where they were. A new tail starts
 //! at the end of the file, so replacing one would lose any line written in between.
 
-use crate::fault::correlate::Signal;
 use crate::intake::readers::LogCursor;
+use crate::signal::Signal;
 use mpsr_proto::DomainId;
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -1,64 +1,9 @@
 //! Raw fault signals from each intake source, and their correlation into one fault event.
 
-use crate::intake::kernel_line::PciAddr;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-pub use mpsr_proto::SignalSource as Source;
-
-/// Where a signal says the fault happened: NVML knows the index, the kernel log only the PCI address.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuRef {
-    Index(u32),
-    Pci(PciAddr),
-}
-
-#[derive(Debug, Clone)]
-pub struct Signal {
-    pub source: Source,
-    pub gpu: GpuRef,
-    /// `None` for signals without an Xid (a FAULT line in an MPS log, a client exit).
-    pub xid: Option<u32>,
-    /// The pid the source printed (unreliable under MPS).
-    pub reported_pid: Option<u32>,
-    /// Set only by an isolation source: the process that really faulted, and whether it was contained.
-    pub culprit: Option<(u32, bool)>,
-    /// The fault domain (slot on this GPU) whose server showed the fault: its server.log's fatal
-    /// error line or its state. GPU-wide sources (NVML, kernel log) leave it unset.
-    pub domain: Option<u32>,
-    pub secondary: bool,
-    /// What an Xid 154 line says the GPU needs now.
-    pub recovery: Option<crate::fault::classify::RecoveryAction>,
-    pub detail: String,
-    pub at: Instant,
-    pub at_ms: u64,
-    /// Read after an agent restart, about what happened while the agent was down (a kernel
-    /// record or MPS log line older than the reader): tasks that exited meanwhile are its victims.
-    pub replayed: bool,
-    /// The reader's position just past this signal: kept with the decision, so a restarted agent
-    /// reads on from there (nothing decided twice, nothing lost).
-    pub cursor: Option<crate::intake::readers::Cursor>,
-}
-
-impl Signal {
-    pub fn new(source: Source, gpu: GpuRef, xid: Option<u32>) -> Signal {
-        Signal {
-            source,
-            gpu,
-            xid,
-            reported_pid: None,
-            culprit: None,
-            domain: None,
-            secondary: false,
-            recovery: None,
-            detail: String::new(),
-            at: Instant::now(),
-            at_ms: crate::sys::now_ms(),
-            replayed: false,
-            cursor: None,
-        }
-    }
-}
+pub use crate::signal::{GpuRef, Signal, Source};
 
 /// One fault on one GPU, merged from every signal seen within the correlation window.
 #[derive(Debug, Clone)]

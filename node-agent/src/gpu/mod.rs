@@ -8,8 +8,8 @@ pub mod sim;
 
 use crate::domain::dirs::Started;
 use crate::domain::DomainSpec;
-use crate::fault::correlate::Signal;
-use crate::intake::kernel_line::PciAddr;
+use crate::signal::PciAddr;
+use crate::signal::Signal;
 use mpsr_proto::{DomainId, ServerState};
 use std::sync::mpsc::Sender;
 

@@ -7,8 +7,9 @@
 use super::{BackendError, GpuBackend, GpuInfo};
 use crate::domain::dirs::Started;
 use crate::domain::DomainSpec;
-use crate::fault::correlate::{GpuRef, Signal, Source};
-use crate::intake::kernel_line::{self, PciAddr};
+use crate::intake::kernel_line;
+use crate::signal::PciAddr;
+use crate::signal::{GpuRef, Signal, Source};
 use mpsr_proto::{DomainId, ServerState};
 use mpsr_simgpu::{DriverPatch, SimEvent, SimReply, SimRequest};
 use mpsr_telemetry::replay::{Injection, Pathology};

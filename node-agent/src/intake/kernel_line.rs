@@ -5,44 +5,7 @@
 //! (KNOWLEDGE.md: Xid 31 named the first client, Xid 43 the MPS server). It is kept only as
 //! "reported pid" and never acted on alone.
 
-use std::fmt;
-
-/// A PCI address without the function number (the driver prints none; NVML prints `.0`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PciAddr {
-    pub domain: u32,
-    pub bus: u8,
-    pub device: u8,
-}
-
-impl PciAddr {
-    /// Accepts `0000:00:06`, `00000000:3b:00.0`, `3b:00`, `0000:3b:00.0`.
-    pub fn parse(s: &str) -> Option<PciAddr> {
-        let s = s.trim();
-        let s = s.split('.').next()?;
-        let parts: Vec<&str> = s.split(':').collect();
-        let (d, b, dev) = match parts.as_slice() {
-            [d, b, dev] => (*d, *b, *dev),
-            [b, dev] => ("0", *b, *dev),
-            _ => return None,
-        };
-        Some(PciAddr {
-            domain: u32::from_str_radix(d, 16).ok()?,
-            bus: u8::from_str_radix(b, 16).ok()?,
-            device: u8::from_str_radix(dev, 16).ok()?,
-        })
-    }
-}
-
-impl fmt::Display for PciAddr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:04x}:{:02x}:{:02x}",
-            self.domain, self.bus, self.device
-        )
-    }
-}
+pub use crate::signal::PciAddr;
 
 /// One parsed kernel line.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,11 +1,12 @@
 //! Fault intake threads for real nodes: `/dev/kmsg` (NVRM Xid lines, resuming after the last sequence
 //! number seen in this boot) and tailing each fault domain's MPS logs. Each turns lines into [`Signal`]s.
 
-use crate::fault::correlate::{GpuRef, Signal, Source};
 use crate::gpu::mps::{parse_control_log, ControlLogEvent};
 use crate::intake::kernel_line;
+pub use crate::signal::{Cursor, Cursors, KmsgCursor, LogCursor};
+use crate::signal::{GpuRef, Signal, Source};
 use mpsr_proto::DomainId;
-use serde::{Deserialize, Serialize};
+
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::fs::OpenOptionsExt;
@@ -15,67 +16,8 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KmsgCursor {
-    pub boot_id: String,
-    pub seq: u64,
-}
-
 /// Where the kernel-log reader finds, at its start, the record to resume after (in the state dir).
 pub const KMSG_CURSOR_FILE: &str = "kmsg-cursor.json";
-
-/// A position in one MPS log file (its inode, and the offset just past the last line used).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LogCursor {
-    pub ino: u64,
-    pub offset: u64,
-}
-
-/// Where a reader was just past a signal it sent.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Cursor {
-    Kmsg(KmsgCursor),
-    Log { path: PathBuf, at: LogCursor },
-}
-
-/// The readers' positions the fault worker has used, kept in the durable state with the decisions
-/// made from them: after a restart each reader goes on from there, so a fault that happened while
-/// the agent was down is decided, and one decided before is not decided again.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursors {
-    #[serde(default)]
-    pub kmsg: Option<KmsgCursor>,
-    /// Log file path -> position.
-    #[serde(default)]
-    pub logs: std::collections::BTreeMap<PathBuf, LogCursor>,
-}
-
-impl Cursors {
-    pub fn advance(&mut self, c: &Cursor) {
-        match c {
-            Cursor::Kmsg(k) => {
-                if self
-                    .kmsg
-                    .as_ref()
-                    .is_none_or(|o| o.boot_id != k.boot_id || o.seq < k.seq)
-                {
-                    self.kmsg = Some(k.clone());
-                }
-            }
-            Cursor::Log { path, at } => {
-                let e = self.logs.entry(path.clone()).or_default();
-                if e.ino != at.ino || e.offset < at.offset {
-                    *e = *at;
-                }
-            }
-        }
-    }
-
-    /// Forgets the logs of a directory (its domain stopped; its files go with the next start).
-    pub fn forget_dir(&mut self, dir: &Path) {
-        self.logs.retain(|p, _| !p.starts_with(dir));
-    }
-}
 
 /// The monotonic clock in microseconds, as /dev/kmsg stamps its records.
 fn monotonic_us() -> u64 {

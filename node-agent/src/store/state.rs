@@ -198,7 +198,7 @@ pub struct Durable {
     /// Where the kernel-log and MPS-log readers were, just past the last signal decided: a
     /// restarted agent reads on from there.
     #[serde(default)]
-    pub cursors: crate::intake::readers::Cursors,
+    pub cursors: crate::signal::Cursors,
 }
 
 /// One run of a job on this node, as Slurm reported it.
