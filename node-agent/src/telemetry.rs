@@ -3,7 +3,9 @@
 //! job reports, durable) and the latest round published for `/metrics` and `mpsrctl top`. It
 //! never takes part in the fault path: it only reads the state lock briefly.
 
-use crate::agent::Agent;
+use crate::config::Config;
+use crate::gpu::GpuBackend;
+use crate::store::Store;
 use crate::sys::lock;
 use crate::sys::procfs;
 use mpsr_proto::PathologyRecord;
@@ -34,9 +36,47 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-impl Agent {
+/// The telemetry thread and the handles it needs.
+pub struct Telemetry {
+    cfg: Arc<Config>,
+    node: String,
+    store: Arc<Store>,
+    backend: Arc<dyn GpuBackend>,
+    exporter: mpsr_telemetry::metrics::Exporter,
+}
+
+impl Telemetry {
+    pub fn new(
+        cfg: Arc<Config>,
+        node: String,
+        store: Arc<Store>,
+        backend: Arc<dyn GpuBackend>,
+        exporter: mpsr_telemetry::metrics::Exporter,
+    ) -> Telemetry {
+        Telemetry {
+            cfg,
+            node,
+            store,
+            backend,
+            exporter,
+        }
+    }
+
+    /// The backend's source and a detector with the configured rules, its findings restored.
+    pub fn prepare(&self) -> (Box<dyn Source>, Detector) {
+        // Validated at config load; an error here would be a bug, so it falls back to the table.
+        let rules = self
+            .cfg
+            .telemetry
+            .rules()
+            .unwrap_or_else(|_| mpsr_telemetry::RULES.to_vec());
+        let mut det = Detector::new(rules);
+        det.restore(self.store.lock().telemetry.active.clone());
+        (self.backend.telemetry_source(), det)
+    }
+
     /// Runs until the process ends.
-    pub(crate) fn telemetry_loop(self: Arc<Self>, mut source: Box<dyn Source>, mut det: Detector) {
+    pub fn run(&self, mut source: Box<dyn Source>, mut det: Detector) {
         let cfg = self.cfg.telemetry.clone();
         let interval = Duration::from_millis(cfg.interval_ms);
         let started = Instant::now();
@@ -87,7 +127,10 @@ impl Agent {
         if !self.backend.simulated() {
             return Vec::new();
         }
-        let domains = self.all_domains(&self.state());
+        let domains = self
+            .store
+            .lock()
+            .all_domains(self.backend.gpus().iter().map(|g| g.index));
         domains
             .into_iter()
             .flat_map(|d| {
@@ -107,7 +150,7 @@ impl Agent {
     /// Fills each client's owner: the registered task it is, or runs under.
     fn own(&self, clients: &mut [ClientSample], attached: &[Attached]) {
         let ancestry: Vec<Vec<u32>> = clients.iter().map(|c| procfs::ancestry(c.pid)).collect();
-        let st = self.state();
+        let st = self.store.lock();
         for (c, anc) in clients.iter_mut().zip(ancestry) {
             let task = anc.iter().find_map(|p| st.durable.registry.task_by_pid(*p));
             c.owner = task.map(|t| Owner {
@@ -151,7 +194,7 @@ impl Agent {
             }
         }
         let kept = self.cfg.telemetry.findings_kept.max(1);
-        let mut st = self.state();
+        let mut st = self.store.lock();
         let log = &mut st.telemetry;
         for f in changes {
             log.records.push_back(PathologyRecord {
@@ -164,28 +207,28 @@ impl Agent {
         }
         log.active = active.to_vec();
         drop(st);
-        self.telemetry_changed();
+        self.store.telemetry_changed();
     }
+}
 
-    /// Reasons the node is unhealthy from telemetry (hardware findings), for the health check.
-    pub fn telemetry_reasons(&self, active: &[Finding]) -> Vec<String> {
-        if !self.cfg.telemetry.drain_on_hardware {
-            return Vec::new();
-        }
-        active
-            .iter()
-            .filter(|f| f.severity == Severity::Hardware)
-            .map(|f| {
-                let on = f.gpu.map_or(String::new(), |g| format!(" on gpu{g}"));
-                format!(
-                    "telemetry {}{on} of {}: {}",
-                    f.rule.name(),
-                    self.node,
-                    f.detail.replace(';', ",")
-                )
-            })
-            .collect()
+/// Reasons the node is unhealthy from telemetry (hardware findings), for the health check.
+pub fn reasons(cfg: &Config, node: &str, active: &[Finding]) -> Vec<String> {
+    if !cfg.telemetry.drain_on_hardware {
+        return Vec::new();
     }
+    active
+        .iter()
+        .filter(|f| f.severity == Severity::Hardware)
+        .map(|f| {
+            let on = f.gpu.map_or(String::new(), |g| format!(" on gpu{g}"));
+            format!(
+                "telemetry {}{on} of {}: {}",
+                f.rule.name(),
+                node,
+                f.detail.replace(';', ",")
+            )
+        })
+        .collect()
 }
 
 /// A finding as a user may see it: only when it concerns one of their jobs, naming no other job

@@ -1,149 +1,205 @@
-//! Wiring: starts the GPU backend, the fault domains and every worker thread of the agent (the
-//! only module that knows them all; nothing imports it).
+//! Wiring: reads the state back, makes the channels, the workers and their handles, starts the GPU
+//! backend, the fault domains and every worker thread (the only module that knows them all;
+//! nothing imports it but the binary).
 
-use crate::agent::{Agent, StartError};
-use crate::fault::classify::FaultClass;
-use crate::sys::{lock, worker};
-use std::collections::BTreeSet;
+use crate::act::escalation::Escalation;
+use crate::act::keeper_watch::KeeperWatch;
+use crate::act::keepers::Keepers;
+use crate::act::recovery::Recovery;
+use crate::act::slurm::scontrol::Scontrol;
+use crate::act::slurm::worker::SlurmWorker;
+use crate::agent::{Agent, Trusted};
+use crate::config::Config;
+use crate::domain::lifecycle::Domains;
+use crate::domain::probe::Prober;
+use crate::fault::classify::Classifier;
+use crate::fault::worker::FaultWorker;
+use crate::gpu::GpuBackend;
+use crate::store::{atomic_file, Store};
+use crate::sys::worker;
+use crate::telemetry::Telemetry;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-impl Agent {
-    /// Starts the backend, every fault domain and every loop. Returns once the agent is ready.
-    pub fn start(self: &Arc<Self>) -> Result<(), StartError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.set_signal_sender(tx.clone());
-        let (ptx, prx) = std::sync::mpsc::channel();
-        *lock(&self.probes) = Some(ptx);
-        // The kernel-log reader resumes after the record kept with the last decision made from
-        // it (what it read later and was not decided is read again).
-        if let Some(k) = self.state().durable.cursors.kmsg.clone() {
-            let file = self
-                .cfg
-                .state_dir
-                .join(crate::intake::readers::KMSG_CURSOR_FILE);
-            if let Err(e) = crate::store::atomic_file::write_atomic(&file, &k) {
-                tracing::warn!(error = %e, "kernel-log cursor not handed to its reader");
-            }
-        }
-        self.backend.start(tx)?;
-        self.start_domains()?;
-        // A worker that panics ends the agent (systemd restarts it): none may die silently.
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            let n = name.to_string();
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || worker::guarded(&n, f, worker::exit_on_panic))
-                .map(|_| ())
-                .map_err(|source| StartError::Thread {
-                    name: name.into(),
-                    source,
-                })
-        };
-        let a = self.clone();
-        spawn("persist", Box::new(move || a.persist_loop()))?;
-        let a = self.clone();
-        spawn("faults", Box::new(move || a.fault_loop(rx)))?;
-        let a = self.clone();
-        spawn("probe", Box::new(move || a.probe_loop(prx)))?;
-        let a = self.clone();
-        spawn("slurm", Box::new(move || a.slurm_loop()))?;
-        let a = self.clone();
-        spawn("health", Box::new(move || a.health_loop()))?;
-        let a = self.clone();
-        spawn("domains", Box::new(move || a.domain_loop()))?;
-        let a = self.clone();
-        spawn("keepers", Box::new(move || a.keeper_loop()))?;
-        if self.cfg.telemetry.enabled {
-            // Validated at config load; an error here would be a bug, so it falls back to the table.
-            let rules = self
-                .cfg
-                .telemetry
-                .rules()
-                .unwrap_or_else(|_| mpsr_telemetry::RULES.to_vec());
-            let mut det = mpsr_telemetry::Detector::new(rules);
-            det.restore(self.state().telemetry.active.clone());
-            let source = self.backend.telemetry_source();
-            let a = self.clone();
-            spawn("telemetry", Box::new(move || a.telemetry_loop(source, det)))?;
-        }
-        if !self.cfg.telemetry.listen.is_empty() {
-            // Validated at load (networks, token file); an error here means the token file
-            // changed since: serve nobody rather than everybody.
-            let access = self.cfg.telemetry.http_access().unwrap_or_else(|e| {
-                tracing::error!(key = e.key, error = %e.message, "telemetry HTTP serves nobody");
-                crate::api::http_access::Access::default()
-            });
-            match tiny_http::Server::http(self.cfg.telemetry.listen.as_str()) {
-                Ok(server) => {
-                    let a = self.clone();
-                    spawn(
-                        "http",
-                        Box::new(move || crate::api::http::serve(a, server, access)),
-                    )?;
-                }
-                // Metrics are not worth failing the fault handling for: say so and go on.
-                Err(e) => tracing::error!(
-                    listen = %self.cfg.telemetry.listen,
-                    error = %e,
-                    "telemetry HTTP not started"
-                ),
-            }
-        }
-        Ok(())
-    }
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Persist(#[from] atomic_file::PersistError),
+    #[error("creating {path}: {source}")]
+    Dir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("starting thread {name}: {source}")]
+    Thread {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Backend(#[from] crate::gpu::BackendError),
+}
 
-    /// Starts missing keepers (first start, or one that died); cheap pings otherwise.
-    fn keeper_loop(self: Arc<Self>) {
-        loop {
-            let lost: BTreeSet<u32> = self
-                .state()
-                .durable
-                .unhealthy
-                .iter()
-                .filter(|(_, (c, _))| *c == FaultClass::DeviceLost)
-                .map(|(g, _)| *g)
-                .collect();
-            for g in self.backend.gpus() {
-                if !lost.contains(&g.index) {
-                    if let Err(e) = self.keepers.ensure(g.index) {
-                        tracing::warn!(gpu = g.index, error = %e, "state keeper not available");
-                    }
-                }
-            }
-            self.free_state_of_jobs_that_will_not_run_again();
-            std::thread::sleep(Duration::from_secs(5));
-        }
-    }
+/// A worker thread; one that panics ends the agent (systemd restarts it): none may die silently.
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), StartError> {
+    let n = name.to_string();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || worker::guarded(&n, f, worker::exit_on_panic))
+        .map(|_| ())
+        .map_err(|source| StartError::Thread {
+            name: name.into(),
+            source,
+        })
+}
 
-    /// State kept for a requeued job waits `keeper.keep_after_requeue_s` for its next run; a job
-    /// cancelled (or ended) while pending never comes: its state is freed as soon as Slurm says so.
-    fn free_state_of_jobs_that_will_not_run_again(&self) {
-        use crate::act::keepers::{kept_verdict, KeptVerdict};
-        let kept: Vec<(u32, u64)> = self
-            .state()
-            .durable
-            .kept_for_requeue
+/// Reads the state back, starts the backend, every fault domain and every worker. Returns once
+/// the agent is ready to serve requests.
+pub fn start(
+    cfg: Config,
+    node: String,
+    backend: Arc<dyn GpuBackend>,
+    classifier: Classifier,
+    trusted: Trusted,
+) -> Result<Arc<Agent>, StartError> {
+    for dir in [&cfg.state_dir, &cfg.run_dir] {
+        std::fs::create_dir_all(dir).map_err(|source| StartError::Dir {
+            path: dir.clone(),
+            source,
+        })?;
+    }
+    let cfg = Arc::new(cfg);
+    let window = Duration::from_millis(cfg.faults.correlation_window_ms);
+    let state = crate::store::recover::recover(&cfg.state_dir, window)?;
+    let store = Arc::new(Store::new(state, &cfg.state_dir));
+    // Written once now so a recovered-and-reconciled state is durable before we serve.
+    store.persist_now();
+    let (signals, signals_rx) = std::sync::mpsc::channel();
+    let (probes, probes_rx) = std::sync::mpsc::channel();
+    hand_kmsg_cursor(&cfg, &store);
+    backend.start(signals.clone())?;
+    let domains = Arc::new(Domains::new(
+        cfg.clone(),
+        store.clone(),
+        backend.clone(),
+        signals.clone(),
+    ));
+    domains.start_all()?;
+    let slurm = Arc::new(Scontrol::new(cfg.slurm.clone()));
+    let keepers = Arc::new(Keepers::new(
+        &cfg,
+        backend
+            .gpus()
             .iter()
-            .map(|(j, u)| (*j, *u))
-            .collect();
-        for (job, until) in kept {
-            let now = crate::sys::now_ms();
-            let facts = if now >= until {
-                Ok(None)
-            } else {
-                self.slurm.job_facts(job)
-            };
-            let v = kept_verdict(until, now, &facts);
-            if v == KeptVerdict::Keep {
-                continue;
-            }
-            self.state().durable.kept_for_requeue.remove(&job);
-            self.mark_dirty();
-            if v == KeptVerdict::Free {
-                tracing::info!(job, "requeued job will not run again (Slurm says it ended); its kept GPU state freed");
-                self.keepers.job_end(job, Duration::ZERO);
-            }
+            .map(|g| (g.index, g.uuid.clone()))
+            .collect(),
+        backend.simulated(),
+    ));
+    let escalation = Arc::new(Escalation::new(
+        &cfg,
+        node.clone(),
+        store.clone(),
+        backend.clone(),
+        domains.clone(),
+    ));
+    let recovery = Arc::new(Recovery::new(
+        &cfg.mps,
+        store.clone(),
+        backend.clone(),
+        keepers.clone(),
+        escalation,
+    ));
+    let faults = FaultWorker::new(
+        cfg.clone(),
+        node.clone(),
+        store.clone(),
+        backend.clone(),
+        classifier,
+        probes,
+    );
+    let s = store.clone();
+    spawn("persist", move || s.run_persister())?;
+    spawn("faults", move || faults.run(signals_rx))?;
+    let prober = Prober::new(store.clone(), backend.clone(), signals.clone());
+    spawn("probe", move || prober.run(probes_rx))?;
+    let slurm_worker = SlurmWorker::new(store.clone(), slurm.clone());
+    spawn("slurm", move || slurm_worker.run())?;
+    let r = recovery.clone();
+    spawn("health", move || r.run())?;
+    let d = domains.clone();
+    spawn("domains", move || d.run())?;
+    let watch = KeeperWatch::new(store.clone(), backend.clone(), keepers.clone(), slurm);
+    spawn("keepers", move || watch.run())?;
+    let exporter = mpsr_telemetry::metrics::Exporter::default();
+    if cfg.telemetry.enabled {
+        let t = Telemetry::new(
+            cfg.clone(),
+            node.clone(),
+            store.clone(),
+            backend.clone(),
+            exporter.clone(),
+        );
+        let (source, detector) = t.prepare();
+        spawn("telemetry", move || t.run(source, detector))?;
+    }
+    let agent = Arc::new(Agent {
+        cfg,
+        node,
+        backend,
+        trusted,
+        store,
+        domains,
+        recovery,
+        keepers,
+        signals,
+        exporter,
+    });
+    serve_http(&agent)?;
+    Ok(agent)
+}
+
+/// The kernel-log reader resumes after the record kept with the last decision made from it (what
+/// it read later and was not decided is read again).
+fn hand_kmsg_cursor(cfg: &Config, store: &Store) {
+    let Some(k) = store.lock().durable.cursors.kmsg.clone() else {
+        return;
+    };
+    let file = cfg.state_dir.join(crate::intake::readers::KMSG_CURSOR_FILE);
+    if let Err(e) = atomic_file::write_atomic(&file, &k) {
+        tracing::warn!(error = %e, "kernel-log cursor not handed to its reader");
+    }
+}
+
+fn serve_http(agent: &Arc<Agent>) -> Result<(), StartError> {
+    let cfg = &agent.cfg.telemetry;
+    if cfg.listen.is_empty() {
+        return Ok(());
+    }
+    // Validated at load (networks, token file); an error here means the token file changed
+    // since: serve nobody rather than everybody.
+    let access = cfg.http_access().unwrap_or_else(|e| {
+        tracing::error!(key = e.key, error = %e.message, "telemetry HTTP serves nobody");
+        crate::api::http_access::Access::default()
+    });
+    match tiny_http::Server::http(cfg.listen.as_str()) {
+        Ok(server) => {
+            let a = agent.clone();
+            spawn("http", move || crate::api::http::serve(a, server, access))
+        }
+        // Metrics are not worth failing the fault handling for: say so and go on.
+        Err(e) => {
+            tracing::error!(listen = %cfg.listen, error = %e, "telemetry HTTP not started");
+            Ok(())
         }
     }
+}
+
+/// Writes what changed and stops the domains' daemons (when configured to).
+pub fn shutdown(agent: &Agent) {
+    agent.store.persist_now();
+    let domains = agent
+        .store
+        .lock()
+        .all_domains(agent.backend.gpus().iter().map(|g| g.index));
+    agent.backend.shutdown(&domains);
 }

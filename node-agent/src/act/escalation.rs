@@ -15,10 +15,11 @@
 //! Each rung is bounded (the backend's command timeout) and recorded on the fault's event as a
 //! typed outcome. [`Ladder::due`] is the pure part: which rung is due when.
 
-use crate::agent::Agent;
-use crate::domain::dirs::Started;
-use crate::sys::lock;
-use mpsr_proto::{DomainId, EscalationRung, FaultOutcome, ServerState};
+use crate::config::Config;
+use crate::domain::lifecycle::Domains;
+use crate::gpu::GpuBackend;
+use crate::store::Store;
+use mpsr_proto::{DomainId, EscalationRung, FaultOutcome};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,13 +49,38 @@ impl Ladder {
     }
 }
 
-impl Agent {
+/// The ladder and the handles its rungs need.
+pub struct Escalation {
+    ladder: Ladder,
+    node: String,
+    store: Arc<Store>,
+    backend: Arc<dyn GpuBackend>,
+    domains: Arc<Domains>,
+}
+
+impl Escalation {
+    pub fn new(
+        cfg: &Config,
+        node: String,
+        store: Arc<Store>,
+        backend: Arc<dyn GpuBackend>,
+        domains: Arc<Domains>,
+    ) -> Escalation {
+        Escalation {
+            ladder: Ladder::from_config(&cfg.mps),
+            node,
+            store,
+            backend,
+            domains,
+        }
+    }
+
     /// Climbs the rung that is due for `domain` (in FAULT, or not answering, since `since`), off
     /// the health loop: a step may wait for the control daemon's command timeout.
-    pub(crate) fn escalate(self: &Arc<Self>, domain: DomainId, fault_id: u64, since: Instant) {
-        let ladder = Ladder::from_config(&self.cfg.mps);
+    pub fn escalate(self: &Arc<Self>, domain: DomainId, fault_id: u64, since: Instant) {
+        let ladder = self.ladder;
         let rung = {
-            let mut st = self.state();
+            let mut st = self.store.lock();
             let Some(r) = st.recovering.get_mut(&domain) else {
                 return;
             };
@@ -72,7 +98,7 @@ impl Agent {
         std::thread::spawn(move || {
             let after_ms = since.elapsed().as_millis() as u64;
             let (ended, error) = a.climb(domain, rung);
-            let mut st = a.state();
+            let mut st = a.store.lock();
             *st.escalations.entry((domain.gpu, rung)).or_default() += 1;
             if let Some(r) = st.recovering.get_mut(&domain) {
                 r.escalating = false;
@@ -91,7 +117,7 @@ impl Agent {
                 error,
             };
             tracing::error!(%domain, fault_id, rung = rung.name(), "{o}");
-            a.add_outcome(&mut st, fault_id, o);
+            a.store.record(&mut st, fault_id, None, o);
         });
     }
 
@@ -102,20 +128,11 @@ impl Agent {
                 Ok(pids) => (pids, None),
                 Err(e) => (Vec::new(), Some(e.to_string())),
             },
-            EscalationRung::RestartDaemon => (Vec::new(), self.restart_daemon(domain).err()),
+            EscalationRung::RestartDaemon => {
+                (Vec::new(), self.domains.restart_daemon(domain).err())
+            }
             EscalationRung::Fence => (Vec::new(), None),
         }
-    }
-
-    /// Ends the domain's control daemon and starts it again (fresh directories, new log tails).
-    fn restart_daemon(&self, domain: DomainId) -> Result<(), String> {
-        let _serial = lock(&self.domain_ops);
-        let spec = self.domain_spec(domain);
-        self.backend
-            .restart_daemon(&spec)
-            .map_err(|e| e.to_string())?;
-        self.follow_logs(&spec, Started::Fresh);
-        Ok(())
     }
 
     /// The last rung: no task is placed in `domain` from now on; a GPU's shared domain drains
@@ -137,31 +154,10 @@ impl Agent {
                     domain.gpu
                 ),
             );
-            self.slurm_wake.notify_all();
+            self.store.action_queued();
         }
-        self.add_outcome(st, fault_id, o);
-        self.mark_dirty();
-    }
-
-    /// Starts each fenced domain's daemon again (every [`RETRY_FENCED`], from the domain loop);
-    /// one that answers ACTIVE is placed into again.
-    pub(crate) fn retry_fenced(&self) {
-        let fenced: Vec<DomainId> = self.state().durable.domains.fenced().collect();
-        for domain in fenced {
-            let back = self.restart_daemon(domain).is_ok()
-                && matches!(
-                    self.backend.server_state(domain),
-                    ServerState::Active | ServerState::Idle
-                );
-            if !back {
-                continue;
-            }
-            if self.state().durable.domains.unfence(domain) {
-                let o = FaultOutcome::DomainUnfenced { domain };
-                tracing::warn!(%domain, "{o}");
-                self.mark_dirty();
-            }
-        }
+        self.store.record(st, fault_id, None, o);
+        self.store.mark_dirty();
     }
 }
 

@@ -8,10 +8,12 @@
 //! - `escalation`: a server still in FAULT past a bound: its server ended, its daemon restarted,
 //!   then the domain fenced.
 //! - `takeover`: a hit task's hot standby released, its old incarnation ended.
-//! - `keepers`: the per-GPU state keeper processes.
+//! - `keepers`: the per-GPU state keeper processes; `keeper_watch` keeps one on each GPU and frees
+//!   state kept for requeued jobs that will not come back.
 
 pub mod escalation;
+pub mod keeper_watch;
 pub mod keepers;
 pub mod recovery;
 pub mod slurm;
-mod takeover;
+pub mod takeover;

@@ -9,20 +9,54 @@
 //! `terminate_client` (off this loop) and are named in the event as what blocks recovery, never
 //! killed.
 
-use crate::agent::Agent;
+use crate::act::escalation::Escalation;
+use crate::act::keepers::Keepers;
+use crate::config::MpsConfig;
 use crate::fault::classify::FaultClass;
+use crate::gpu::GpuBackend;
 use crate::store::state::{State, Takeover};
+use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::{DomainId, FaultOutcome, ResumeVerdict, ServerState};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-impl Agent {
-    pub(crate) fn health_loop(self: Arc<Self>) {
+/// Recovery and the handles it needs.
+pub struct Recovery {
+    /// Hit clients are ended once their server has been in FAULT this long.
+    grace: Duration,
+    /// How often healed GPUs are looked for.
+    health: Duration,
+    store: Arc<Store>,
+    backend: Arc<dyn GpuBackend>,
+    keepers: Arc<Keepers>,
+    escalation: Arc<Escalation>,
+}
+
+impl Recovery {
+    pub fn new(
+        mps: &MpsConfig,
+        store: Arc<Store>,
+        backend: Arc<dyn GpuBackend>,
+        keepers: Arc<Keepers>,
+        escalation: Arc<Escalation>,
+    ) -> Recovery {
+        Recovery {
+            grace: Duration::from_millis(mps.fault_grace_ms),
+            health: Duration::from_millis(mps.health_interval_ms),
+            store,
+            backend,
+            keepers,
+            escalation,
+        }
+    }
+
+    /// The health loop, until the process ends.
+    pub fn run(self: Arc<Self>) {
         // Recovering servers are watched closely (the time to ACTIVE is an outcome people read);
         // healed GPUs are looked for every `mps.health_interval_ms`.
         const WATCH: Duration = Duration::from_millis(50);
-        let health = Duration::from_millis(self.cfg.mps.health_interval_ms);
+        let health = self.health;
         let mut last_health = Instant::now();
         loop {
             std::thread::sleep(WATCH);
@@ -35,9 +69,10 @@ impl Agent {
     }
 
     fn watch_recovering(self: &Arc<Self>) {
-        let grace = Duration::from_millis(self.cfg.mps.fault_grace_ms);
+        let grace = self.grace;
         let domains: Vec<(DomainId, u64, Instant)> = self
-            .state()
+            .store
+            .lock()
             .recovering
             .iter()
             .map(|(d, r)| (*d, r.fault_id, r.since))
@@ -46,20 +81,20 @@ impl Agent {
             match self.backend.server_state(domain) {
                 ServerState::Active | ServerState::Idle => {
                     let ms = since.elapsed().as_millis();
-                    let mut st = self.state();
+                    let mut st = self.store.lock();
                     st.recovering.remove(&domain);
                     let o = FaultOutcome::ServerActive {
                         domain,
                         ms: ms as u64,
                     };
                     tracing::info!(%domain, fault_id, "{o}");
-                    self.add_outcome(&mut st, fault_id, o);
+                    self.store.record(&mut st, fault_id, None, o);
                 }
                 // A server holding a poisoned client may not answer at all (its control daemon
                 // blocks): Down here is that, not a dead daemon.
                 ServerState::Fault | ServerState::Down if since.elapsed() > grace => {
                     self.end_hit_clients(domain, fault_id, grace);
-                    self.escalate(domain, fault_id, since);
+                    self.escalation.escalate(domain, fault_id, since);
                 }
                 ServerState::Lost | ServerState::Down | ServerState::Fault => {}
             }
@@ -95,21 +130,21 @@ impl Agent {
                     error: res.err().map(|e| e.to_string()),
                 };
                 tracing::warn!(%domain, pid, "{o}");
-                let mut st = a.state();
-                a.add_outcome(&mut st, fault_id, o);
+                let mut st = a.store.lock();
+                a.store.record(&mut st, fault_id, None, o);
             });
         }
         for o in lines {
             tracing::warn!(%domain, fault_id, "{o}");
-            let mut st = self.state();
-            self.add_outcome(&mut st, fault_id, o);
+            let mut st = self.store.lock();
+            self.store.record(&mut st, fault_id, None, o);
         }
     }
 
     /// The pids of the hit jobs' tasks in `domain` (their descendants are the CUDA processes to
     /// look for), at most once a second; None once the domain no longer recovers.
     fn hit_roots(&self, domain: DomainId) -> Option<Vec<u32>> {
-        let mut st = self.state();
+        let mut st = self.store.lock();
         let State {
             durable: d,
             recent_exits,
@@ -142,7 +177,7 @@ impl Agent {
         clients: Vec<u32>,
     ) -> Option<(Vec<FaultOutcome>, Vec<u32>)> {
         let (mut lines, mut terminate) = (Vec::new(), Vec::new());
-        let mut st = self.state();
+        let mut st = self.store.lock();
         let hit = st.recovering.get(&domain)?.hit_jobs.clone();
         let (mut kill, mut blockers) = (Vec::new(), Vec::new());
         let r = st.recovering.get(&domain)?;
@@ -197,7 +232,8 @@ impl Agent {
 
     fn clear_healed(&self) {
         let unhealthy: Vec<(u32, FaultClass)> = self
-            .state()
+            .store
+            .lock()
             .durable
             .unhealthy
             .iter()
@@ -209,9 +245,9 @@ impl Agent {
                 && self.backend.probe_healthy(gpu)
                 && self.backend.server_state(DomainId::shared(gpu)) != ServerState::Lost
             {
-                self.state().durable.unhealthy.remove(&gpu);
+                self.store.lock().durable.unhealthy.remove(&gpu);
                 tracing::info!(gpu, "GPU answers again; marked healthy");
-                self.mark_dirty();
+                self.store.mark_dirty();
                 // Its memory did not survive the reset: a fresh keeper restores snapshots.
                 self.keepers.restart(gpu);
             }
@@ -220,11 +256,11 @@ impl Agent {
 
     /// Waits up to `within` while any of `domains` recovers from a fault: MPS refuses a new
     /// client of a server in FAULT (CUDA error 807). Returns those still recovering at the end.
-    pub(crate) fn await_recovered(&self, domains: &[DomainId], within: Duration) -> Vec<DomainId> {
+    pub fn await_recovered(&self, domains: &[DomainId], within: Duration) -> Vec<DomainId> {
         let deadline = Instant::now() + within;
         loop {
             let still: Vec<DomainId> = {
-                let st = self.state();
+                let st = self.store.lock();
                 domains
                     .iter()
                     .copied()
@@ -239,15 +275,15 @@ impl Agent {
     }
 
     pub fn resume_verdict(&self, key: crate::store::registry::TaskKey) -> (ResumeVerdict, String) {
-        let entry = self.state().durable.resume.get(key).cloned();
+        let entry = self.store.lock().durable.resume.get(key).cloned();
         let Some(e) = entry.filter(|e| !e.consumed) else {
             return (ResumeVerdict::NotHit, "no fault known for this task".into());
         };
         let done = |v: ResumeVerdict, why: String| {
-            if let Some(e) = self.state().durable.resume.get_mut(key) {
+            if let Some(e) = self.store.lock().durable.resume.get_mut(key) {
                 e.consumed = true;
             }
-            self.mark_dirty();
+            self.store.mark_dirty();
             (v, why)
         };
         if let Some(why) = e.fail {
@@ -255,7 +291,8 @@ impl Agent {
         }
         // What mpsr-run prints on the task's stderr names the fault as Slurm's views do.
         let fault = self
-            .state()
+            .store
+            .lock()
             .history
             .iter()
             .rev()

@@ -8,100 +8,94 @@
 //! the fault cannot write GPU memory any more (its context is poisoned); what it could still do on
 //! the host in the moment it takes to die is the application's to make idempotent (README).
 
-use crate::agent::Agent;
 use crate::fault::core::Release;
 use crate::store::state::Takeover;
+use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::FaultOutcome;
 use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 
-impl Agent {
-    pub(crate) fn release_standby(&self, r: Release) {
-        let Some(armed) = r.standby.armed else {
-            return;
-        };
-        let (primary, primary_ticks) = armed.primary;
-        let (standby, standby_ticks) = armed.standby;
-        // The old incarnation and its children (a shell's command, a launcher's workers), found
-        // before it dies: its orphans would be the init process's children after.
-        let family = procfs::alive(primary, primary_ticks)
-            .then(|| procfs::descendants(primary))
-            .flatten();
-        // Known by pid and start time: while they linger, they are this fault's hit clients.
-        let mut ended: Vec<(u32, Option<u64>)> = vec![(primary, primary_ticks)];
-        ended.extend(
-            family
-                .iter()
-                .flatten()
-                .map(|p| (*p, procfs::start_ticks(*p))),
-        );
-        let fenced = kill_if_alive(primary, primary_ticks);
-        for p in family.iter().flatten() {
-            kill_if_alive(*p, None);
-        }
-        let released = procfs::alive(standby, standby_ticks) && write_release(&r.standby.fifo);
-        let ms = r.first.elapsed().as_secs_f64() * 1000.0;
-        if family.is_none() {
-            // No children lists in this kernel: a scan of /proc, once the standby runs.
-            for p in procfs::under(&[primary]) {
-                kill_if_alive(p, None);
-            }
-        }
-        let _ = std::fs::remove_file(&r.standby.fifo);
-        let (job, step, pid) = r.task;
-        let o = if released {
-            FaultOutcome::StandbyTookOver {
-                job,
-                step,
-                standby,
-                primary,
-                primary_ended: fenced,
-                released_us: (ms * 1000.0) as u64,
-            }
-        } else {
-            FaultOutcome::StandbyGone { job, step, standby }
-        };
-        tracing::info!(
-            fault_id = r.fault_id,
-            job,
-            pid,
-            standby,
-            released,
-            ms,
-            "{o}"
-        );
-        let mut st = self.state();
-        if let Some(e) = st.durable.resume.get_mut(r.task) {
-            e.takeover = Some(if released {
-                Takeover::Released(standby)
-            } else {
-                Takeover::Unavailable
-            });
-        }
-        let gpu = r.standby.domain.gpu;
-        let hit_domain = st
-            .durable
-            .registry
-            .get(r.task)
-            .and_then(|t| t.domain_on(gpu))
-            .unwrap_or(mpsr_proto::DomainId::shared(gpu));
-        if let Some(rec) = st.recovering.get_mut(&hit_domain) {
-            rec.fenced_pids.extend(ended);
-        }
-        if released {
-            st.totals.entry(gpu).or_default().takeovers += 1;
-            move_to_standby_domain(&mut st, &r);
-        }
-        crate::store::state::push_outcome(
-            &mut st.durable.outcomes,
-            job,
-            format!("fault {}: {o}", r.fault_id),
-        );
-        self.add_outcome(&mut st, r.fault_id, o);
-        drop(st);
-        self.mark_dirty();
+/// Releases the standby of a hit task (see the module's comment); records what came of it.
+pub fn release_standby(store: &Store, r: Release) {
+    let Some(armed) = r.standby.armed else {
+        return;
+    };
+    let (primary, primary_ticks) = armed.primary;
+    let (standby, standby_ticks) = armed.standby;
+    // The old incarnation and its children (a shell's command, a launcher's workers), found
+    // before it dies: its orphans would be the init process's children after.
+    let family = procfs::alive(primary, primary_ticks)
+        .then(|| procfs::descendants(primary))
+        .flatten();
+    // Known by pid and start time: while they linger, they are this fault's hit clients.
+    let mut ended: Vec<(u32, Option<u64>)> = vec![(primary, primary_ticks)];
+    ended.extend(
+        family
+            .iter()
+            .flatten()
+            .map(|p| (*p, procfs::start_ticks(*p))),
+    );
+    let fenced = kill_if_alive(primary, primary_ticks);
+    for p in family.iter().flatten() {
+        kill_if_alive(*p, None);
     }
+    let released = procfs::alive(standby, standby_ticks) && write_release(&r.standby.fifo);
+    let ms = r.first.elapsed().as_secs_f64() * 1000.0;
+    if family.is_none() {
+        // No children lists in this kernel: a scan of /proc, once the standby runs.
+        for p in procfs::under(&[primary]) {
+            kill_if_alive(p, None);
+        }
+    }
+    let _ = std::fs::remove_file(&r.standby.fifo);
+    let (job, step, pid) = r.task;
+    let o = if released {
+        FaultOutcome::StandbyTookOver {
+            job,
+            step,
+            standby,
+            primary,
+            primary_ended: fenced,
+            released_us: (ms * 1000.0) as u64,
+        }
+    } else {
+        FaultOutcome::StandbyGone { job, step, standby }
+    };
+    tracing::info!(
+        fault_id = r.fault_id,
+        job,
+        pid,
+        standby,
+        released,
+        ms,
+        "{o}"
+    );
+    let mut st = store.lock();
+    if let Some(e) = st.durable.resume.get_mut(r.task) {
+        e.takeover = Some(if released {
+            Takeover::Released(standby)
+        } else {
+            Takeover::Unavailable
+        });
+    }
+    let gpu = r.standby.domain.gpu;
+    let hit_domain = st
+        .durable
+        .registry
+        .get(r.task)
+        .and_then(|t| t.domain_on(gpu))
+        .unwrap_or(mpsr_proto::DomainId::shared(gpu));
+    if let Some(rec) = st.recovering.get_mut(&hit_domain) {
+        rec.fenced_pids.extend(ended);
+    }
+    if released {
+        st.totals.entry(gpu).or_default().takeovers += 1;
+        move_to_standby_domain(&mut st, &r);
+    }
+    store.record(&mut st, r.fault_id, Some(job), o);
+    drop(st);
+    store.mark_dirty();
 }
 
 /// The task runs in its standby's domain now: its next fault is that domain's. This fault's
@@ -125,16 +119,14 @@ fn move_to_standby_domain(st: &mut crate::store::state::State, r: &Release) {
     });
 }
 
-impl Agent {
-    /// Ends a standby whose own server faulted (poisoned: it would hold that server in FAULT).
-    pub(crate) fn end_standby(&self, sb: crate::store::state::Standby) {
-        if let Some(a) = sb.armed {
-            if kill_if_alive(a.standby.0, a.standby.1) {
-                tracing::info!(job = sb.task.0, pid = a.standby.0, domain = %sb.domain, "standby in a faulted server ended");
-            }
+/// Ends a standby whose own server faulted (poisoned: it would hold that server in FAULT).
+pub fn end_standby(sb: crate::store::state::Standby) {
+    if let Some(a) = sb.armed {
+        if kill_if_alive(a.standby.0, a.standby.1) {
+            tracing::info!(job = sb.task.0, pid = a.standby.0, domain = %sb.domain, "standby in a faulted server ended");
         }
-        let _ = std::fs::remove_file(&sb.fifo);
     }
+    let _ = std::fs::remove_file(&sb.fifo);
 }
 
 /// SIGKILLs `pid` if it is still the process that started at `ticks` (a reused pid is left

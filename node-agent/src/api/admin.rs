@@ -14,7 +14,7 @@ pub fn sim_inject(
 ) -> Response {
     match agent.backend.sim_inject(gpu, xid, culprit, slot) {
         Ok(killed) => Response::Injected {
-            fault_id_hint: agent.state().durable.next_fault_id + 1,
+            fault_id_hint: agent.store.lock().durable.next_fault_id + 1,
             killed,
         },
         Err(e) => Response::error(ErrorCode::Unsupported, e.to_string()),
@@ -63,8 +63,8 @@ pub fn terminate_client(
 }
 
 pub fn clear_gpu(agent: &Agent, gpu: u32) -> Response {
-    let removed = agent.state().durable.unhealthy.remove(&gpu);
-    agent.mark_dirty();
+    let removed = agent.store.lock().durable.unhealthy.remove(&gpu);
+    agent.store.mark_dirty();
     match removed {
         Some(_) => Response::Ok,
         None => Response::error(

@@ -47,7 +47,7 @@ fn access(req: &Request) -> Access {
 pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
     let caller = Caller {
         peer,
-        trusted: agent.is_trusted(peer.uid),
+        trusted: agent.trusted.includes(peer.uid),
     };
     if let Access::Trusted(why) = access(&req) {
         if !caller.trusted {

@@ -52,7 +52,7 @@ fn route(agent: &Agent, method: &Method, url: &str) -> (u16, &'static str, Strin
     if path == "/metrics" {
         let gpus: Vec<u32> = agent.backend.gpus().iter().map(|g| g.index).collect();
         let own = super::fault_metrics::render(
-            &agent.state(),
+            &agent.store.lock(),
             &gpus,
             &agent.node,
             agent.backend.simulated(),

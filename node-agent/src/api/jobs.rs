@@ -11,7 +11,7 @@ use std::time::Duration;
 
 /// A run of a job starts here (the prolog): Slurm says whose it is and which run.
 pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Response {
-    let mut st = agent.state();
+    let mut st = agent.store.lock();
     // Leftovers of an earlier run of this job id (a requeue) whose processes are gone.
     let stale: Vec<_> = st
         .durable
@@ -42,13 +42,13 @@ pub fn start(agent: &Agent, job_id: u32, uid: u32, restart_count: u32) -> Respon
     }
     drop(st);
     crate::store::state::remove_fifos(&standbys);
-    agent.mark_dirty();
+    agent.store.mark_dirty();
     Response::Ok
 }
 
 /// A run of a job ended here (the epilog): its tasks go, its report is kept for its owner.
 pub fn end(agent: &Agent, job_id: u32) -> Response {
-    let mut st = agent.state();
+    let mut st = agent.store.lock();
     let owner = st.durable.owner_of(job_id);
     st.durable.running.remove(&job_id);
     let left = st.durable.registry.remove_job(job_id);
@@ -77,7 +77,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
     }
     drop(st);
     crate::store::state::remove_fifos(&standbys);
-    agent.mark_dirty();
+    agent.store.mark_dirty();
     let keep = if requeued {
         agent.keepers.keep_after_requeue
     } else {
@@ -87,7 +87,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
     std::thread::spawn(move || keepers.job_end(job_id, keep));
     // The epilog hands this to the job's owner: only what the owner may see.
     let own: std::collections::BTreeSet<u32> = match owner {
-        Some(uid) => agent.state().durable.jobs_of(uid),
+        Some(uid) => agent.store.lock().durable.jobs_of(uid),
         None => [job_id].into(),
     };
     Response::JobReport(redacted(rep, &own))
@@ -106,7 +106,7 @@ fn redacted(mut rep: JobReport, own: &std::collections::BTreeSet<u32>) -> JobRep
 
 pub fn report(agent: &Agent, caller: Caller, job_id: u32) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
-    let st = agent.state();
+    let st = agent.store.lock();
     if !trusted && st.durable.owner_of(job_id) != Some(peer.uid) {
         return denied(format!(
             "job {job_id} is not a known job of uid {}",

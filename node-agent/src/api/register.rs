@@ -91,7 +91,7 @@ fn registrant(agent: &Agent, caller: Caller, r: &Registration) -> Step<u32> {
         }
         (false, _) => peer.uid,
     };
-    let run = agent.state().durable.running.get(&r.job_id).copied();
+    let run = agent.store.lock().durable.running.get(&r.job_id).copied();
     if run.is_none_or(|run| run.uid != uid) {
         tracing::warn!(
             peer_uid = peer.uid,
@@ -148,6 +148,7 @@ fn sound(agent: &Agent, caller: Caller, r: &Registration) -> Step<u64> {
 /// job or user domain.
 fn place(agent: &Agent, r: &Registration, uid: u32) -> Step<Vec<Placement>> {
     let placed = agent
+        .domains
         .place_task(
             r.job_id,
             uid,
@@ -173,7 +174,7 @@ fn place(agent: &Agent, r: &Registration, uid: u32) -> Step<Vec<Placement>> {
 
 /// A user's own extra registration goes where the job already is.
 fn beside_the_job(agent: &Agent, r: &Registration, uid: u32) -> Vec<Placement> {
-    let st = agent.state();
+    let st = agent.store.lock();
     r.gpus
         .iter()
         .map(|g| {
@@ -208,7 +209,7 @@ fn record(
     placed: &[Placement],
     trusted: bool,
 ) -> Step<u64> {
-    let mut st = agent.state();
+    let mut st = agent.store.lock();
     if trusted {
         task.restart_count = st.durable.note_running(r.job_id, uid, r.restart_count);
     } else if let Some(run) = st.durable.running.get(&r.job_id) {
@@ -253,14 +254,14 @@ fn record(
         );
     }
     drop(st);
-    Ok(agent.mark_journaled())
+    Ok(agent.store.mark_journaled())
 }
 
 /// Reply only once the registration is on disk: an agent crash right after loses nothing. A
 /// state directory that refuses writes (full, read-only) must not stop jobs from starting: the
 /// task is protected from memory, status says the disk fails, and it is written once it can be.
 fn durable(agent: &Agent, job: u32, gen: u64) -> Step<()> {
-    match agent.wait_durable_within(gen, Duration::from_secs(5)) {
+    match agent.store.wait_durable_within(gen, Duration::from_secs(5)) {
         Durability::Durable => Ok(()),
         Durability::Failing => {
             tracing::warn!(
@@ -281,7 +282,9 @@ fn durable(agent: &Agent, job: u32, gen: u64) -> Step<()> {
 fn admit(agent: &Agent, job: u32, placed: &[Placement]) {
     let domains: Vec<DomainId> = placed.iter().map(|p| p.domain).collect();
     let t = Instant::now();
-    let still = agent.await_recovered(&domains, Duration::from_millis(agent.cfg.mps.admit_wait_ms));
+    let still = agent
+        .recovery
+        .await_recovered(&domains, Duration::from_millis(agent.cfg.mps.admit_wait_ms));
     let ms = t.elapsed().as_millis();
     let line = match still.first() {
         Some(d) => {
@@ -298,6 +301,6 @@ fn admit(agent: &Agent, job: u32, placed: &[Placement]) {
         }
         None => return,
     };
-    push_outcome(&mut agent.state().durable.outcomes, job, line);
-    agent.mark_dirty();
+    push_outcome(&mut agent.store.lock().durable.outcomes, job, line);
+    agent.store.mark_dirty();
 }

@@ -29,7 +29,7 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
         listener,
         "agent",
         LIMITS,
-        move |uid| a.is_trusted(uid),
+        move |uid| a.trusted.includes(uid),
         move |peer, s| handle_conn(&agent, peer, s),
     );
 }

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 /// The registered task `(job, step, pid)` names, or the one the caller runs under; only the
 /// task's owner (or a trusted caller) gets it.
 fn own_task(agent: &Agent, caller: Caller, (job, step, pid): TaskKey) -> Result<Task, NotOwnTask> {
-    let st = agent.state();
+    let st = agent.store.lock();
     let from = if caller.trusted { pid } else { caller.peer.pid };
     let t = st
         .durable
@@ -70,7 +70,7 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
     let task = (t.job_id, t.step_id, t.pid);
     let limit = agent.cfg.standby.max_per_gpu as usize;
     let on_gpu = {
-        let mut st = agent.state();
+        let mut st = agent.store.lock();
         // A task has one standby: a new one replaces the last (its supervisor started again).
         let old = st.durable.drop_standbys(|s| s.task == task);
         crate::store::state::remove_fifos(&old);
@@ -89,7 +89,7 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
     let of = t
         .domain_on(gpu)
         .unwrap_or(mpsr_proto::DomainId::shared(gpu));
-    let domain = match agent.place_standby(of) {
+    let domain = match agent.domains.place_standby(of) {
         Ok(d) => d,
         Err(e) => return Response::error(ErrorCode::Refused, e.to_string()),
     };
@@ -101,14 +101,14 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
             format!("standby FIFO {}: {e}", fifo.display()),
         );
     }
-    agent.state().durable.standbys.push(Standby {
+    agent.store.lock().durable.standbys.push(Standby {
         task,
         uid: t.uid,
         domain,
         fifo: fifo.clone(),
         armed: None,
     });
-    agent.mark_dirty();
+    agent.store.mark_dirty();
     tracing::info!(job = t.job_id, step = t.step_id, pid = t.pid, %domain, "standby prepared");
     let mut ctx = context(
         agent,
@@ -149,7 +149,7 @@ pub fn arm(
         }
     }
     let task = (t.job_id, t.step_id, t.pid);
-    let mut st = agent.state();
+    let mut st = agent.store.lock();
     let Some(sb) = st.durable.standbys.iter_mut().find(|s| s.task == task) else {
         return Response::error(
             ErrorCode::NotFound,
@@ -162,7 +162,7 @@ pub fn arm(
     });
     let domain = sb.domain;
     drop(st);
-    agent.mark_dirty();
+    agent.store.mark_dirty();
     tracing::info!(job = t.job_id, step = t.step_id, primary_pid, standby_pid, %domain, "standby armed");
     Response::Ok
 }

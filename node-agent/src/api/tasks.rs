@@ -35,7 +35,7 @@ pub fn deregister(
     exit_status: Option<i32>,
 ) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
-    let mut st = agent.state();
+    let mut st = agent.store.lock();
     let Some(t) = st.durable.registry.get((job_id, step_id, pid)).cloned() else {
         return Response::error(
             ErrorCode::NotFound,
@@ -62,10 +62,10 @@ pub fn deregister(
     drop(st);
     crate::store::state::remove_fifos(&standbys);
     tracing::info!(job = job_id, step = %crate::fault::decide::step_name(step_id), pid, exit_status = ?exit_status, "task deregistered");
-    agent.client_exit_signal(&t.gpus, exit_status);
+    crate::fault::worker::client_exit_signal(&agent.signals, &t.gpus, exit_status);
     // Not waited for: a deregistration lost in a crash is redone by the restart's
     // reconciliation (the pid is gone by then).
-    agent.mark_journaled();
+    agent.store.mark_journaled();
     Response::Ok
 }
 
@@ -121,7 +121,7 @@ pub(super) fn context(agent: &Agent, p: &Placement) -> GpuContext {
 pub fn resume_query(agent: &Agent, caller: Caller, (job_id, step_id, pid): TaskKey) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let task = {
-        let st = agent.state();
+        let st = agent.store.lock();
         st.durable
             .registry
             .get((job_id, step_id, pid))
@@ -152,14 +152,15 @@ pub fn resume_query(agent: &Agent, caller: Caller, (job_id, step_id, pid): TaskK
             peer.uid
         ));
     }
-    let (verdict, reason) = agent.resume_verdict((t.job_id, t.step_id, t.pid));
+    let (verdict, reason) = agent.recovery.resume_verdict((t.job_id, t.step_id, t.pid));
     Response::Resume { verdict, reason }
 }
 
 pub fn task_of(agent: &Agent, pid: u32) -> Response {
     let ancestry = procfs::ancestry(pid);
     let found = agent
-        .state()
+        .store
+        .lock()
         .durable
         .registry
         .tasks()

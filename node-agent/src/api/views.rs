@@ -8,7 +8,7 @@ use mpsr_proto::{DecisionRecord, DomainId, GpuStatus, HealthReply, Response, Sta
 pub fn status(agent: &Agent, caller: Caller) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let (tasks, pending, unhealthy) = {
-        let st = agent.state();
+        let st = agent.store.lock();
         (
             st.durable
                 .registry
@@ -36,7 +36,7 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
         .gpus()
         .iter()
         .map(|g| GpuStatus {
-            domains: agent.domain_status(g.index, own.as_ref()),
+            domains: agent.domains.domain_status(g.index, own.as_ref()),
             gpu: g.index,
             uuid: g.uuid.clone(),
             pci_bus_id: g.pci.to_string(),
@@ -57,7 +57,7 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
         gpus,
         tasks,
         pending_actions: pending,
-        persist_failing: agent.persister.failing(),
+        persist_failing: agent.store.persist_failing(),
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
         protocol: mpsr_proto::PROTOCOL_VERSION,
     })
@@ -65,7 +65,7 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
 
 pub fn events(agent: &Agent, caller: Caller, limit: u32) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
-    let st = agent.state();
+    let st = agent.store.lock();
     let own = st.durable.jobs_of(peer.uid);
     let n = limit.clamp(1, 10_000) as usize;
     let mut events = newest(st.history.iter(), n, |r| {
@@ -98,7 +98,7 @@ pub fn telemetry(agent: &Agent, caller: Caller) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let mut snapshot = crate::sys::lock(&agent.exporter.0).clone();
     if !trusted {
-        let own = agent.state().durable.jobs_of(peer.uid);
+        let own = agent.store.lock().durable.jobs_of(peer.uid);
         snapshot
             .tick
             .clients
@@ -116,14 +116,18 @@ pub fn telemetry(agent: &Agent, caller: Caller) -> Response {
 }
 
 pub fn health(agent: &Agent) -> Response {
-    let st = agent.state();
+    let st = agent.store.lock();
     let mut reasons: Vec<String> = st
         .durable
         .unhealthy
         .values()
         .map(|(_, r)| r.clone())
         .collect();
-    reasons.extend(agent.telemetry_reasons(&st.telemetry.active));
+    reasons.extend(crate::telemetry::reasons(
+        &agent.cfg,
+        &agent.node,
+        &st.telemetry.active,
+    ));
     drop(st);
     Response::Health(HealthReply {
         node: agent.node.clone(),

@@ -1,10 +1,11 @@
 //! mpsr-agent: the per-node daemon (root, systemd).
 
 use clap::Parser;
-use mpsr_agent::agent::Agent;
+use mpsr_agent::agent::Trusted;
 use mpsr_agent::config::{Backend, Config, DEFAULT_PATH};
 use mpsr_agent::fault::classify::Classifier;
 use mpsr_agent::gpu::{nvml::NvmlBackend, sim::SimBackend, CheckFailed, CheckLine, GpuBackend};
+use mpsr_agent::wiring;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -142,8 +143,13 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
     };
     let listener = mpsr_agent::api::socket::bind(&cfg.socket)?;
     let socket = cfg.socket.clone();
-    let agent = Agent::new(cfg, node.clone(), backend.clone(), classifier, trusted)?;
-    agent.start()?;
+    let agent = wiring::start(
+        cfg,
+        node.clone(),
+        backend.clone(),
+        classifier,
+        Trusted(trusted),
+    )?;
     tracing::info!(node = %node, backend = backend.name(), simulated = backend.simulated(), gpus = backend.gpus().len(), socket = %socket.display(), "agent ready");
     let a = agent.clone();
     std::thread::spawn(move || mpsr_agent::api::socket::serve(a, listener));
@@ -163,7 +169,7 @@ fn run(cfg: Config) -> Result<(), Box<dyn std::error::Error>> {
     unsafe { libc::sigwait(&set, &mut sig) };
     tracing::info!(signal = sig, "shutting down");
     let _ = mpsr_agent::sys::notify::notify("STOPPING=1");
-    agent.shutdown();
+    wiring::shutdown(&agent);
     let _ = std::fs::remove_file(&socket);
     Ok(())
 }

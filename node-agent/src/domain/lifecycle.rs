@@ -2,27 +2,18 @@
 //! registering task, log tails (a server.log fatal-error line says *which* server faulted),
 //! probing servers after a fault no domain has shown yet, and stopping domains that stayed empty.
 
-use super::{paths, DomainRecord, DomainSpec, PlaceError};
-use crate::agent::Agent;
-use crate::gpu::BackendError;
+use super::{paths, DomainRecord, DomainSpec, LogTails, PlaceError, Policy};
+use crate::config::Config;
+use crate::gpu::{BackendError, GpuBackend};
 use crate::intake::readers::LogCursor;
-use crate::signal::{GpuRef, Signal, Source};
+use crate::signal::Signal;
+use crate::store::Store;
 use crate::sys::lock;
-use mpsr_proto::{DomainId, DomainStatus, Isolation, ServerState};
+use mpsr_proto::{DomainId, DomainStatus, FaultOutcome, Isolation, ServerState};
 use std::collections::BTreeSet;
-use std::sync::mpsc::Receiver;
-use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// Ask these domains' servers whether they are in FAULT, until `until` (after an application
-/// fault that no domain has shown yet).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DomainProbe {
-    pub fault_id: u64,
-    pub gpu: u32,
-    pub domains: BTreeSet<DomainId>,
-    pub until: Instant,
-}
 
 /// Why a task could not be placed.
 #[derive(Debug, thiserror::Error)]
@@ -65,10 +56,42 @@ fn confirmed_down(mut state: impl FnMut() -> ServerState, tries: u32, pause: Dur
     true
 }
 
-impl Agent {
+/// The domains' daemons and the handles they need.
+pub struct Domains {
+    cfg: Arc<Config>,
+    store: Arc<Store>,
+    backend: Arc<dyn GpuBackend>,
+    /// The admin's fault-domain placement rules.
+    policy: Policy,
+    /// Where the log tails send what they read.
+    signals: Sender<Signal>,
+    /// Serializes starting and stopping domains' daemons.
+    ops: Mutex<()>,
+    /// Each domain's MPS log tails.
+    log_tails: LogTails,
+}
+
+impl Domains {
+    pub fn new(
+        cfg: Arc<Config>,
+        store: Arc<Store>,
+        backend: Arc<dyn GpuBackend>,
+        signals: Sender<Signal>,
+    ) -> Domains {
+        Domains {
+            policy: cfg.mps.policy(),
+            cfg,
+            store,
+            backend,
+            signals,
+            ops: Mutex::new(()),
+            log_tails: LogTails::default(),
+        }
+    }
+
     /// What the domain's daemon is started with (its record's owner and limits).
-    pub(crate) fn domain_spec(&self, id: DomainId) -> DomainSpec {
-        let rec = self.state().durable.domains.get(id).cloned();
+    pub fn domain_spec(&self, id: DomainId) -> DomainSpec {
+        let rec = self.store.lock().durable.domains.get(id).cloned();
         self.spec(id, rec.as_ref())
     }
 
@@ -88,12 +111,19 @@ impl Agent {
 
     /// Starts (or adopts) each GPU's shared domain and every recorded domain; a recorded domain
     /// that cannot be started is dropped from the table (its tasks are gone with it).
-    pub(crate) fn start_domains(&self) -> Result<(), BackendError> {
-        let _serial = lock(&self.domain_ops);
+    pub fn start_all(&self) -> Result<(), BackendError> {
+        let _serial = lock(&self.ops);
         for g in self.backend.gpus() {
             self.start_domain(&self.spec(DomainId::shared(g.index), None))?;
         }
-        let records: Vec<DomainRecord> = self.state().durable.domains.records().cloned().collect();
+        let records: Vec<DomainRecord> = self
+            .store
+            .lock()
+            .durable
+            .domains
+            .records()
+            .cloned()
+            .collect();
         for r in records {
             match self.start_domain(&self.spec(r.id, Some(&r))) {
                 Ok(()) => {
@@ -101,8 +131,8 @@ impl Agent {
                 }
                 Err(e) => {
                     tracing::error!(domain = %r.id, error = %e, "fault domain could not be started again; dropped");
-                    self.state().durable.domains.remove(r.id);
-                    self.mark_dirty();
+                    self.store.lock().durable.domains.remove(r.id);
+                    self.store.mark_dirty();
                 }
             }
         }
@@ -124,18 +154,15 @@ impl Agent {
     /// Each tail starts at the position kept with the decisions (an adopted daemon: lines written
     /// while the agent was down are read then), else at the file's end now, which is kept as the
     /// position from then on: a fault written after it is read after a restart, however soon.
-    pub(crate) fn follow_logs(&self, spec: &DomainSpec, started: super::dirs::Started) {
+    pub fn follow_logs(&self, spec: &DomainSpec, started: super::dirs::Started) {
         if started == super::dirs::Started::Fresh {
             self.log_tails.stop(spec.id);
         }
         if !self.cfg.faults.mps_logs {
             return;
         }
-        let Some(tx) = self.signal_sender() else {
-            return;
-        };
         let from: std::collections::BTreeMap<std::path::PathBuf, LogCursor> = {
-            let mut st = self.state();
+            let mut st = self.store.lock();
             let cursors = &mut st.durable.cursors;
             if started == super::dirs::Started::Fresh {
                 cursors.forget_dir(&spec.log_dir);
@@ -161,15 +188,19 @@ impl Agent {
                 })
                 .collect()
         };
-        self.mark_dirty();
-        self.log_tails
-            .ensure(spec.id, &spec.log_dir, |p| from.get(p).copied(), &tx);
+        self.store.mark_dirty();
+        self.log_tails.ensure(
+            spec.id,
+            &spec.log_dir,
+            |p| from.get(p).copied(),
+            &self.signals,
+        );
     }
 
     fn stop_domain(&self, id: DomainId) {
         self.log_tails.stop(id);
         let (_, log_dir) = paths(&self.cfg.run_dir, id);
-        self.state().durable.cursors.forget_dir(&log_dir);
+        self.store.lock().durable.cursors.forget_dir(&log_dir);
         match self.backend.stop_domain(id) {
             Ok(()) => tracing::info!(domain = %id, "empty fault domain stopped"),
             Err(e) => tracing::warn!(domain = %id, error = %e, "stopping fault domain failed"),
@@ -190,9 +221,9 @@ impl Agent {
         let mut to_start = Vec::new();
         // Held until the new daemons are up: a second task of the job must not get a context
         // for a domain still starting, nor the linger loop stop it meanwhile.
-        let _serial = lock(&self.domain_ops);
+        let _serial = lock(&self.ops);
         {
-            let mut st = self.state();
+            let mut st = self.store.lock();
             let now = crate::sys::now_ms();
             for &gpu in gpus {
                 let p =
@@ -218,7 +249,7 @@ impl Agent {
     /// `domain_ops`.
     fn start_placed(&self, to_start: Vec<DomainRecord>) -> Result<(), PlacementError> {
         if !to_start.is_empty() {
-            self.mark_dirty();
+            self.store.mark_dirty();
         }
         for rec in to_start {
             // A domain taken over from an earlier tenant gets a fresh daemon (owner, limits).
@@ -226,8 +257,8 @@ impl Agent {
                 self.stop_domain(rec.id);
             }
             if let Err(source) = self.start_domain(&self.spec(rec.id, Some(&rec))) {
-                self.state().durable.domains.remove(rec.id);
-                self.mark_dirty();
+                self.store.lock().durable.domains.remove(rec.id);
+                self.store.mark_dirty();
                 return Err(PlacementError::Start {
                     domain: rec.id,
                     source,
@@ -240,9 +271,10 @@ impl Agent {
 
     /// The domain a hot standby of a task in domain `of` waits in (started if new).
     pub fn place_standby(&self, of: DomainId) -> Result<DomainId, PlacementError> {
-        let _serial = lock(&self.domain_ops);
+        let _serial = lock(&self.ops);
         let (id, start) = self
-            .state()
+            .store
+            .lock()
             .durable
             .domains
             .standby_domain(&self.policy, of)?;
@@ -254,7 +286,7 @@ impl Agent {
     /// new clients of that domain would find no server. A GPU marked unhealthy is left alone.
     fn restart_dead_daemons(&self, down: &mut BTreeSet<DomainId>) {
         let domains: Vec<(DomainId, Option<DomainRecord>)> = {
-            let st = self.state();
+            let st = self.store.lock();
             self.backend
                 .gpus()
                 .iter()
@@ -272,7 +304,7 @@ impl Agent {
                 down.remove(&d);
                 continue;
             }
-            let _serial = lock(&self.domain_ops);
+            let _serial = lock(&self.ops);
             match self.start_domain(&self.spec(d, rec.as_ref())) {
                 Ok(()) => {
                     down.remove(&d);
@@ -289,7 +321,7 @@ impl Agent {
 
     /// Stops job and user domains that had neither registered tasks nor clients for the linger time,
     /// and every few seconds starts again a domain daemon that stopped answering.
-    pub(crate) fn domain_loop(self: Arc<Self>) {
+    pub fn run(&self) {
         const WATCHDOG_EVERY: u32 = 5;
         let linger_ms = self.cfg.mps.domain_linger_s * 1000;
         let mut down = BTreeSet::new();
@@ -304,7 +336,7 @@ impl Agent {
                 self.retry_fenced();
             }
             let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
-                let st = self.state();
+                let st = self.store.lock();
                 let ids = st.durable.domains.records().map(|r| r.id).collect();
                 let used = st
                     .durable
@@ -319,9 +351,9 @@ impl Agent {
                 .into_iter()
                 .filter(|d| used.contains(d) || !self.backend.clients(*d).is_empty())
                 .collect();
-            let _serial = lock(&self.domain_ops);
+            let _serial = lock(&self.ops);
             let expired = {
-                let mut st = self.state();
+                let mut st = self.store.lock();
                 let now = crate::sys::now_ms();
                 let used_now: BTreeSet<DomainId> = st
                     .durable
@@ -342,60 +374,50 @@ impl Agent {
             if expired.is_empty() {
                 continue;
             }
-            self.mark_dirty();
+            self.store.mark_dirty();
             for d in expired {
                 self.stop_domain(d);
             }
         }
     }
 
-    pub(crate) fn request_probe(&self, p: DomainProbe) {
-        if let Some(tx) = lock(&self.probes).as_ref() {
-            let _ = tx.send(p);
-        }
+    /// Ends the domain's control daemon and starts it again (fresh directories, new log tails).
+    pub fn restart_daemon(&self, domain: DomainId) -> Result<(), String> {
+        let _serial = lock(&self.ops);
+        let spec = self.domain_spec(domain);
+        self.backend
+            .restart_daemon(&spec)
+            .map_err(|e| e.to_string())?;
+        self.follow_logs(&spec, super::dirs::Started::Fresh);
+        Ok(())
     }
 
-    /// Polls the servers of an awaited fault's domains; a server in FAULT is a signal for its domain.
-    pub(crate) fn probe_loop(self: Arc<Self>, rx: Receiver<DomainProbe>) {
-        while let Ok(mut p) = rx.recv() {
-            while Instant::now() < p.until && !p.domains.is_empty() {
-                let faulted: Vec<DomainId> = p
-                    .domains
-                    .iter()
-                    .copied()
-                    .filter(|d| self.backend.server_state(*d) == ServerState::Fault)
-                    .collect();
-                for d in faulted {
-                    p.domains.remove(&d);
-                    if let Some(tx) = self.signal_sender() {
-                        let mut s = Signal::new(Source::MpsStatus, GpuRef::Index(p.gpu), None);
-                        s.domain = Some(d.slot);
-                        s.detail = format!("{d} server in FAULT (get_server_status)");
-                        let _ = tx.send(s);
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(25));
+    /// Starts each fenced domain's daemon again (every `RETRY_FENCED`, from the domain loop);
+    /// one that answers ACTIVE is placed into again.
+    fn retry_fenced(&self) {
+        let fenced: Vec<DomainId> = self.store.lock().durable.domains.fenced().collect();
+        for domain in fenced {
+            let back = self.restart_daemon(domain).is_ok()
+                && matches!(
+                    self.backend.server_state(domain),
+                    ServerState::Active | ServerState::Idle
+                );
+            if !back {
+                continue;
             }
-            let mut st = self.state();
-            let still = st
-                .history
-                .iter()
-                .rev()
-                .find(|r| r.fault_id == p.fault_id)
-                .is_some_and(|r| r.awaiting_domain);
-            if still {
-                let o = mpsr_proto::FaultOutcome::NoDomainShowed;
-                tracing::warn!(fault_id = p.fault_id, gpu = p.gpu, "{o}");
-                self.add_outcome(&mut st, p.fault_id, o);
+            if self.store.lock().durable.domains.unfence(domain) {
+                let o = FaultOutcome::DomainUnfenced { domain };
+                tracing::warn!(%domain, "{o}");
+                self.store.mark_dirty();
             }
         }
     }
 
     /// Status of a GPU's domains; `own` filters jobs (and hides clients) for untrusted callers.
     pub fn domain_status(&self, gpu: u32, own: Option<&BTreeSet<u32>>) -> Vec<DomainStatus> {
-        let fenced: BTreeSet<DomainId> = self.state().durable.domains.fenced().collect();
+        let fenced: BTreeSet<DomainId> = self.store.lock().durable.domains.fenced().collect();
         let (domains, jobs) = {
-            let st = self.state();
+            let st = self.store.lock();
             let domains: Vec<(DomainId, String)> = st
                 .domains_of_gpu(gpu)
                 .into_iter()

@@ -14,13 +14,16 @@
 //! `dirs` makes a domain's pipe and log directories fresh for each daemon start (root's log
 //! directory: the root control daemon follows symlinks there); `table` decides placement (pure
 //! data, durable); `lifecycle` starts, adopts, watches and stops
-//! the domains' daemons for the agent; `tails` follows each domain's MPS logs.
+//! the domains' daemons for the agent; `probe` asks servers whether they are in FAULT after a fault
+//! no domain showed yet; `tails` follows each domain's MPS logs.
 
 pub mod dirs;
-mod lifecycle;
+pub mod lifecycle;
+pub mod probe;
 mod table;
 mod tails;
 
-pub use lifecycle::{DomainProbe, Placement, PlacementError};
+pub use lifecycle::{Placement, PlacementError};
+pub use probe::DomainProbe;
 pub use table::*;
 pub use tails::LogTails;

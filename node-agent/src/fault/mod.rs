@@ -13,4 +13,4 @@ pub mod classify;
 pub mod core;
 pub mod correlate;
 pub mod decide;
-mod worker;
+pub mod worker;

@@ -4,64 +4,75 @@
 //! terminations to a bounded worker of their own, probes to the probe loop, durability to the
 //! persister (which the Slurm worker waits on before it acts).
 
+use super::classify::Classifier;
 use super::core::{self, Ctx, Effect};
 use super::correlate::{GpuRef, Signal, Source};
-use crate::agent::Agent;
+use crate::act::slurm::queue::ActionKey;
+use crate::config::Config;
+use crate::domain::probe::DomainProbe;
+use crate::domain::Policy;
+use crate::gpu::GpuBackend;
+use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::DomainId;
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, Sender, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Terminations waiting for the terminate worker; past this a storm's extra ones are dropped
 /// (logged): the health loop still ends hit clients that outlive the grace.
 const TERMINATIONS_QUEUED: usize = 1024;
 
 /// A client to end, and the Slurm action to wait for first.
-type Termination = (DomainId, u32, Option<crate::act::slurm::queue::ActionKey>);
+type Termination = (DomainId, u32, Option<ActionKey>);
 
 /// How long a termination waits for the action before it (Slurm may be slow or down: the culprit
 /// of a contained fault computes on scratch data meanwhile and must not run on for long).
-const AFTER_AT_MOST: std::time::Duration = std::time::Duration::from_secs(2);
+const AFTER_AT_MOST: Duration = Duration::from_secs(2);
 
-impl Agent {
-    pub(crate) fn fault_loop(self: Arc<Self>, rx: Receiver<Signal>) {
+/// The fault worker and the handles it needs.
+pub struct FaultWorker {
+    cfg: Arc<Config>,
+    node: String,
+    store: Arc<Store>,
+    backend: Arc<dyn GpuBackend>,
+    classifier: Classifier,
+    policy: Policy,
+    probes: Sender<DomainProbe>,
+}
+
+impl FaultWorker {
+    pub fn new(
+        cfg: Arc<Config>,
+        node: String,
+        store: Arc<Store>,
+        backend: Arc<dyn GpuBackend>,
+        classifier: Classifier,
+        probes: Sender<DomainProbe>,
+    ) -> FaultWorker {
+        FaultWorker {
+            policy: cfg.mps.policy(),
+            cfg,
+            node,
+            store,
+            backend,
+            classifier,
+            probes,
+        }
+    }
+
+    /// Decides each signal until every sender is gone.
+    pub fn run(self, rx: Receiver<Signal>) {
         let (tx, terminations) = std::sync::mpsc::sync_channel(TERMINATIONS_QUEUED);
-        let a = self.clone();
+        let (store, backend) = (self.store.clone(), self.backend.clone());
         let worker = std::thread::Builder::new()
             .name("terminate".into())
-            .spawn(move || a.terminate_loop(terminations));
+            .spawn(move || terminate_loop(&store, backend.as_ref(), terminations));
         if let Err(e) = worker {
             tracing::error!(error = %e, "terminate worker not started; clients are ended by the health loop only");
         }
         while let Ok(s) = rx.recv() {
             self.on_signal(s, &tx);
-        }
-    }
-
-    fn terminate_loop(&self, rx: Receiver<Termination>) {
-        while let Ok((domain, pid, after)) = rx.recv() {
-            if let Some(key) = after {
-                self.wait_done(&key, AFTER_AT_MOST);
-            }
-            if let Err(e) = self.backend.terminate_client(domain, pid) {
-                tracing::warn!(%domain, pid, error = %e, "terminate_client failed");
-            }
-        }
-    }
-
-    /// Waits until the Slurm action `key` is done (or gone, or `at_most` has passed).
-    fn wait_done(&self, key: &crate::act::slurm::queue::ActionKey, at_most: std::time::Duration) {
-        let until = Instant::now() + at_most;
-        while Instant::now() < until {
-            let st = self.state();
-            if st.durable.done_keys.contains(key)
-                || !st.durable.pending.iter().any(|p| &p.key == key)
-            {
-                return;
-            }
-            drop(st);
-            std::thread::sleep(std::time::Duration::from_millis(5));
         }
     }
 
@@ -99,7 +110,7 @@ impl Agent {
             now: Instant::now(),
         };
         let effects = {
-            let mut st = self.state();
+            let mut st = self.store.lock();
             let effects = core::on_signal(&mut st, &ctx, gpu, &s);
             // Kept with the decision it led to (persisted together): after a restart the reader
             // goes on past it.
@@ -109,18 +120,20 @@ impl Agent {
             effects
         };
         if s.cursor.is_some() {
-            self.mark_dirty();
+            self.store.mark_dirty();
         }
         for e in effects {
             match e {
-                Effect::History => self.persister.history_changed(),
+                Effect::History => self.store.history_changed(),
                 Effect::Persist => {
-                    self.mark_dirty();
-                    self.slurm_wake.notify_all();
+                    self.store.mark_dirty();
+                    self.store.action_queued();
                 }
-                Effect::Probe(p) => self.request_probe(p),
-                Effect::Release(r) => self.release_standby(r),
-                Effect::EndStandby(sb) => self.end_standby(sb),
+                Effect::Probe(p) => {
+                    let _ = self.probes.send(p);
+                }
+                Effect::Release(r) => crate::act::takeover::release_standby(&self.store, r),
+                Effect::EndStandby(sb) => crate::act::takeover::end_standby(sb),
                 Effect::Terminate { domain, pid, after } => {
                     match terminations.try_send((domain, pid, after)) {
                         Ok(()) => {}
@@ -135,43 +148,34 @@ impl Agent {
             }
         }
     }
+}
 
-    /// Every domain of every GPU.
-    pub fn all_domains(&self, st: &crate::store::state::State) -> Vec<DomainId> {
-        self.backend
-            .gpus()
-            .iter()
-            .flat_map(|g| st.domains_of_gpu(g.index))
-            .collect()
-    }
-
-    /// Adds an outcome line to a fault's record and has the history written.
-    pub fn add_outcome(
-        &self,
-        st: &mut crate::store::state::State,
-        fault_id: u64,
-        outcome: mpsr_proto::FaultOutcome,
-    ) {
-        st.add_outcome(fault_id, outcome);
-        self.persister.history_changed();
-        self.mark_journaled();
-    }
-
-    /// A task ended (reported by slurmstepd's deregistration). An abnormal exit on a GPU with an
-    /// open fault corroborates it (it does not say which domain faulted: a job may crash on its
-    /// own at that moment). Sent to the fault worker like any other signal: the request thread
-    /// does not run the decision.
-    pub fn client_exit_signal(&self, gpus: &[u32], exit_status: Option<i32>) {
-        if exit_status.is_none_or(|s| s == 0) {
-            return;
+fn terminate_loop(store: &Store, backend: &dyn GpuBackend, rx: Receiver<Termination>) {
+    while let Ok((domain, pid, after)) = rx.recv() {
+        if let Some(key) = after {
+            // Until the Slurm action is done (or gone, or the bound has passed).
+            store.wait_settled(AFTER_AT_MOST, |st| {
+                st.durable.done_keys.contains(&key)
+                    || !st.durable.pending.iter().any(|p| p.key == key)
+            });
         }
-        let Some(tx) = self.signal_sender() else {
-            return;
-        };
-        for g in gpus {
-            let mut s = Signal::new(Source::ClientExit, GpuRef::Index(*g), None);
-            s.detail = format!("task exit status {exit_status:?}");
-            let _ = tx.send(s);
+        if let Err(e) = backend.terminate_client(domain, pid) {
+            tracing::warn!(%domain, pid, error = %e, "terminate_client failed");
         }
+    }
+}
+
+/// A task ended (reported by slurmstepd's deregistration). An abnormal exit on a GPU with an open
+/// fault corroborates it (it does not say which domain faulted: a job may crash on its own at that
+/// moment). Sent to the fault worker like any other signal: the request thread does not run the
+/// decision.
+pub fn client_exit_signal(tx: &Sender<Signal>, gpus: &[u32], exit_status: Option<i32>) {
+    if exit_status.is_none_or(|s| s == 0) {
+        return;
+    }
+    for g in gpus {
+        let mut s = Signal::new(Source::ClientExit, GpuRef::Index(*g), None);
+        s.detail = format!("task exit status {exit_status:?}");
+        let _ = tx.send(s);
     }
 }

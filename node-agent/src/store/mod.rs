@@ -9,9 +9,16 @@
 //! - `atomic_file`: atomic file writes and reads.
 //! - `persister`: what to write when (generations, group commit), the writer thread, and the
 //!   durability waits.
+//! - `handle`: the `Store` every worker holds: the state lock, durability, outcomes recorded once,
+//!   and the wake-ups of the Slurm action queue.
+//! - `recover`: the state read back at start.
 
 pub mod atomic_file;
+pub mod handle;
 pub mod journal;
 pub mod persister;
+pub mod recover;
 pub mod registry;
 pub mod state;
+
+pub use handle::Store;

@@ -480,6 +480,13 @@ pub struct Moved {
 }
 
 impl State {
+    /// Every domain of these GPUs.
+    pub fn all_domains(&self, gpus: impl IntoIterator<Item = u32>) -> Vec<DomainId> {
+        gpus.into_iter()
+            .flat_map(|g| self.domains_of_gpu(g))
+            .collect()
+    }
+
     /// Every domain of a GPU whose daemon the agent runs (the shared one first).
     pub fn domains_of_gpu(&self, gpu: u32) -> Vec<DomainId> {
         std::iter::once(DomainId::shared(gpu))

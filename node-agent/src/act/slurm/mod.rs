@@ -5,7 +5,7 @@
 pub mod listing;
 pub mod queue;
 pub mod scontrol;
-mod worker;
+pub mod worker;
 
 /// What every drain reason and comment line the agent writes into Slurm starts with.
 pub const DRAIN_PREFIX: &str = mpsr_proto::fault::SLURM_TEXT_PREFIX;

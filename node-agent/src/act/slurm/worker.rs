@@ -2,9 +2,9 @@
 //! each result becomes an outcome line of its fault and job.
 
 use crate::act::slurm::queue::{ActionKey, PendingAction, SlurmOp};
-use crate::act::slurm::scontrol::Outcome;
-use crate::agent::Agent;
-use crate::store::state::{push_outcome, DONE_KEYS_KEPT};
+use crate::act::slurm::scontrol::{Outcome, Scontrol};
+use crate::store::state::DONE_KEYS_KEPT;
+use crate::store::Store;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,9 +12,19 @@ use std::time::{Duration, Instant};
 /// When a failed action may be tried again.
 type Backoff = BTreeMap<ActionKey, Instant>;
 
-impl Agent {
+/// The Slurm worker: the action queue (in the store) and the Slurm client.
+pub struct SlurmWorker {
+    store: Arc<Store>,
+    slurm: Arc<Scontrol>,
+}
+
+impl SlurmWorker {
+    pub fn new(store: Arc<Store>, slurm: Arc<Scontrol>) -> SlurmWorker {
+        SlurmWorker { store, slurm }
+    }
+
     /// Executes pending Slurm actions outside the state lock; retries with backoff.
-    pub(crate) fn slurm_loop(self: Arc<Self>) {
+    pub fn run(self) {
         let mut not_before = Backoff::new();
         loop {
             let next = self.next_ready(&not_before);
@@ -22,7 +32,9 @@ impl Agent {
             // agent killed in between finds the action after its restart (and verifies it, since
             // it may have run). A disk that refuses writes delays the action by at most a second.
             if next.fresh && next.attempts == 0 {
-                let d = self.wait_durable_within(self.latest_gen(), Duration::from_secs(1));
+                let d = self
+                    .store
+                    .wait_durable_within(self.store.latest_gen(), Duration::from_secs(1));
                 if d != crate::store::persister::Durability::Durable {
                     tracing::warn!(key = %next.key, durability = ?d, "acting before the decision is on disk");
                 }
@@ -32,8 +44,8 @@ impl Agent {
                     .execute(&next.op, !next.fresh || next.attempts > 0)
             });
             self.settle(&next, outcome, &mut not_before);
-            let g = self.mark_dirty();
-            self.wait_durable(g);
+            let g = self.store.mark_dirty();
+            self.store.wait_durable(g);
         }
     }
 
@@ -47,7 +59,8 @@ impl Agent {
             return None;
         }
         let at = self
-            .state()
+            .store
+            .lock()
             .history
             .iter()
             .rev()
@@ -58,7 +71,7 @@ impl Agent {
 
     /// Waits for the first pending action that may run now (its backoff and its own delay over).
     fn next_ready(&self, not_before: &Backoff) -> PendingAction {
-        let mut st = self.state();
+        let mut st = self.store.lock();
         loop {
             let now = Instant::now();
             let now_ms = crate::sys::now_ms();
@@ -74,18 +87,14 @@ impl Agent {
             if let Some(p) = ready {
                 return p;
             }
-            st = self
-                .slurm_wake
-                .wait_timeout(st, Duration::from_millis(100))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            st = self.store.wait_queued(st, Duration::from_millis(100));
         }
     }
 
     /// What an attempt came to: retried later (backoff), or done or failed for good (the action
     /// leaves the queue, its key is done, its job and fault get the outcome line).
     fn settle(&self, next: &PendingAction, outcome: Outcome, not_before: &mut Backoff) {
-        let mut st = self.state();
+        let mut st = self.store.lock();
         let (ok, msg) = match settlement(outcome, next.attempts, self.slurm.max_attempts()) {
             Settlement::Retry { attempts, error } => {
                 tracing::warn!(key = %next.key, attempt = attempts, error = %error, "Slurm action failed; will retry");
@@ -129,14 +138,9 @@ impl Agent {
             done: ok,
             detail: msg,
         };
-        if let Some(j) = job {
-            push_outcome(
-                &mut st.durable.outcomes,
-                j,
-                format!("fault {}: {o}", next.fault_id),
-            );
-        }
-        self.add_outcome(&mut st, next.fault_id, o);
+        self.store.record(&mut st, next.fault_id, job, o);
+        drop(st);
+        self.store.action_settled();
     }
 }
 
