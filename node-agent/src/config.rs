@@ -1,7 +1,8 @@
 //! Agent configuration (`/etc/mps-resilient/agent.toml`). Every key is documented with its default in
 //! `etc/agent.toml`; unknown keys and bad values are rejected at start with the key named.
 
-use crate::fault::classify::{BlastRadius, ClassPolicy, FaultClass, JobAction};
+use crate::signal::{BlastRadius, ClassPolicy, JobAction};
+use mpsr_proto::FaultClass;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -138,8 +139,8 @@ impl Default for TelemetryConfig {
 impl TelemetryConfig {
     /// Who may read the HTTP endpoint (validated at load: bad networks and an unreadable or
     /// world-readable token file are refused there).
-    pub fn http_access(&self) -> Result<crate::api::http_access::Access, KeyError> {
-        use crate::api::http_access::{Access, Net};
+    pub fn http_access(&self) -> Result<crate::sys::http_access::Access, KeyError> {
+        use crate::sys::http_access::{Access, Net};
         let mut allow_from = Vec::new();
         for n in &self.allow_from {
             allow_from.push(Net::parse(n).ok_or_else(|| KeyError {
@@ -236,22 +237,20 @@ pub struct MpsConfig {
     /// A job or user domain with no tasks is stopped after this long (seconds).
     pub domain_linger_s: u64,
     /// Who is placed apart after being the culprit of a fault: "job", "user" or "off".
-    pub quarantine: crate::domain::QuarantineRule,
+    pub quarantine: QuarantineRule,
     /// How long the quarantine lasts (seconds).
     pub quarantine_s: u64,
 }
 
-impl MpsConfig {
-    /// The placement rules of the domain table.
-    pub fn policy(&self) -> crate::domain::Policy {
-        crate::domain::Policy {
-            default: self.isolation_default,
-            allowed: self.isolation_allowed.iter().copied().collect(),
-            max_per_gpu: self.max_domains_per_gpu,
-            quarantine: self.quarantine,
-            quarantine_ms: self.quarantine_s.saturating_mul(1000),
-        }
-    }
+/// Who goes to a domain of their own after being the culprit of a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuarantineRule {
+    Off,
+    /// The job (its next run, e.g. after a requeue) gets a domain of its own.
+    Job,
+    /// Every job of the culprit's user gets a domain of its own.
+    User,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -361,7 +360,7 @@ impl Default for MpsConfig {
             isolation_allowed: mpsr_proto::Isolation::ALL.to_vec(),
             max_domains_per_gpu: 4,
             domain_linger_s: 60,
-            quarantine: crate::domain::QuarantineRule::Job,
+            quarantine: QuarantineRule::Job,
             quarantine_s: 86_400,
         }
     }
@@ -747,7 +746,10 @@ mod tests {
         );
         assert_eq!(c.sim.recovery_ms, d.sim.recovery_ms);
         assert_eq!(c.slurm.max_attempts, d.slurm.max_attempts);
-        assert_eq!(c.mps.policy(), d.mps.policy());
+        assert_eq!(
+            crate::domain::Policy::from_config(&c.mps),
+            crate::domain::Policy::from_config(&d.mps)
+        );
         assert_eq!(c.mps.domain_linger_s, d.mps.domain_linger_s);
         assert_eq!(c.telemetry.interval_ms, d.telemetry.interval_ms);
         assert_eq!(c.telemetry.slow_every, d.telemetry.slow_every);

@@ -15,7 +15,8 @@ use crate::domain::probe::Prober;
 use crate::fault::classify::Classifier;
 use crate::fault::worker::FaultWorker;
 use crate::gpu::GpuBackend;
-use crate::store::{atomic_file, Store};
+use crate::store::Store;
+use crate::sys::atomic_file;
 use crate::sys::worker;
 use crate::telemetry::Telemetry;
 use std::path::PathBuf;
@@ -179,7 +180,7 @@ fn serve_http(agent: &Arc<Agent>) -> Result<(), StartError> {
     // since: serve nobody rather than everybody.
     let access = cfg.http_access().unwrap_or_else(|e| {
         tracing::error!(key = e.key, error = %e.message, "telemetry HTTP serves nobody");
-        crate::api::http_access::Access::default()
+        crate::sys::http_access::Access::default()
     });
     match tiny_http::Server::http(cfg.listen.as_str()) {
         Ok(server) => {

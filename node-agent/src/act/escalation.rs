@@ -10,7 +10,7 @@
 //! 2. end the control daemon (it may answer nothing) and start it again in fresh directories;
 //! 3. fence the domain: no task is placed there (refused with the reason), `mpsrctl status` and
 //!    `mpsr_domain_fenced` say so, and a GPU's shared domain drains the node. A fenced domain is
-//!    tried again every [`RETRY_FENCED`] and unfenced once it answers ACTIVE.
+//!    tried again every 30 s (the domain loop's `RETRY_FENCED`) and unfenced once it answers ACTIVE.
 //!
 //! Each rung is bounded (the backend's command timeout) and recorded on the fault's event as a
 //! typed outcome. [`Ladder::due`] is the pure part: which rung is due when.
@@ -22,9 +22,6 @@ use crate::store::Store;
 use mpsr_proto::{DomainId, EscalationRung, FaultOutcome};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// How often a fenced domain's daemon is started again to see whether it comes back.
-pub const RETRY_FENCED: Duration = Duration::from_secs(30);
 
 /// When each rung is due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,8 +142,8 @@ impl Escalation {
         };
         tracing::error!(%domain, fault_id, "{o}");
         if domain.is_shared() {
-            crate::fault::core::enqueue_drain(
-                st,
+            crate::store::queue::enqueue_drain(
+                &mut st.durable,
                 &self.node,
                 fault_id,
                 format!(

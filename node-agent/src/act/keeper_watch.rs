@@ -3,9 +3,9 @@
 
 use crate::act::keepers::{kept_verdict, Keepers, KeptVerdict};
 use crate::act::slurm::scontrol::Scontrol;
-use crate::fault::classify::FaultClass;
 use crate::gpu::GpuBackend;
 use crate::store::Store;
+use mpsr_proto::FaultClass;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;

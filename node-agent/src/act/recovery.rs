@@ -12,11 +12,11 @@
 use crate::act::escalation::Escalation;
 use crate::act::keepers::Keepers;
 use crate::config::MpsConfig;
-use crate::fault::classify::FaultClass;
 use crate::gpu::GpuBackend;
 use crate::store::state::{State, Takeover};
 use crate::store::Store;
 use crate::sys::procfs;
+use mpsr_proto::FaultClass;
 use mpsr_proto::{DomainId, FaultOutcome, ResumeVerdict, ServerState};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -8,13 +8,25 @@
 //! the fault cannot write GPU memory any more (its context is poisoned); what it could still do on
 //! the host in the moment it takes to die is the application's to make idempotent (README).
 
-use crate::fault::core::Release;
+use crate::store::registry::TaskKey;
+use crate::store::state::Standby;
 use crate::store::state::Takeover;
 use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::FaultOutcome;
 use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::time::Instant;
+
+/// A standby to release, with what fences the old incarnation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    pub fault_id: u64,
+    pub task: TaskKey,
+    pub standby: Standby,
+    /// When the fault's first signal came (the takeover is timed from it).
+    pub first: Instant,
+}
 
 /// Releases the standby of a hit task (see the module's comment); records what came of it.
 pub fn release_standby(store: &Store, r: Release) {

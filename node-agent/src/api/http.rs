@@ -4,8 +4,8 @@
 //! `telemetry.allow_from` (loopback by default) get an answer, and with
 //! `telemetry.bearer_token_file` only requests carrying the token (`http_access`).
 
-use super::http_access::{Access, Refused};
 use crate::agent::Agent;
+use crate::sys::http_access::{Access, Refused};
 use crate::sys::lock;
 use std::sync::Arc;
 use tiny_http::{Header, Method, Response, Server};

@@ -68,7 +68,7 @@ pub fn end(agent: &Agent, job_id: u32) -> Response {
     // requeue may also still be queued (Slurm ends the job before the agent's call runs).
     let requeued = st.durable.requeued.remove(&job_id).is_some()
         || st.durable.pending.iter().any(|p| {
-            matches!(p.op, crate::act::slurm::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
+            matches!(p.op, crate::store::queue::SlurmOp::Requeue { job_id: j, .. } if j == job_id)
         });
     if requeued {
         let until = crate::sys::now_ms()

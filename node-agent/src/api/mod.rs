@@ -8,14 +8,13 @@
 //! - `dispatch`: who may ask what (one table), and the handler of each request.
 //! - `tasks`, `register`, `standby`, `jobs`, `views`, `admin`: the handlers, one module per request
 //!   family (`register`: a task's registration, step by step).
-//! - `http`: `/metrics` and the job endpoints; `http_access`: who may read them.
+//! - `http`: `/metrics` and the job endpoints (who may read them: `sys::http_access`).
 
 mod admin;
 pub mod caller;
 pub mod dispatch;
 mod fault_metrics;
 pub mod http;
-pub mod http_access;
 mod jobs;
 mod register;
 pub mod socket;

@@ -48,7 +48,7 @@ fn main() -> std::process::ExitCode {
         return if ok { 0.into() } else { 1.into() };
     }
     mpsr_agent::sys::memory::configure();
-    mpsr_agent::sys::logging::init(&cfg.log, c"mpsr-agent");
+    mpsr_agent::logging::init(&cfg.log, c"mpsr-agent");
     match run(cfg) {
         Ok(()) => 0.into(),
         Err(e) => {

@@ -2,9 +2,9 @@
 //! registering task, log tails (a server.log fatal-error line says *which* server faulted),
 //! probing servers after a fault no domain has shown yet, and stopping domains that stayed empty.
 
-use super::{paths, DomainRecord, DomainSpec, LogTails, PlaceError, Policy};
+use super::{paths, DomainRecord, LogTails, PlaceError, Policy};
 use crate::config::Config;
-use crate::gpu::{BackendError, GpuBackend};
+use crate::gpu::{BackendError, DomainSpec, GpuBackend};
 use crate::intake::readers::LogCursor;
 use crate::signal::Signal;
 use crate::store::Store;
@@ -37,6 +37,9 @@ pub struct Placement {
     /// Quarantined, but no domain was free: placed where it asked (see `Placed`).
     pub quarantine_waived: bool,
 }
+
+/// How often a fenced domain's daemon is started again to see whether it comes back.
+pub const RETRY_FENCED: Duration = Duration::from_secs(30);
 
 /// Queries of a daemon that must all fail before it is taken for dead.
 const DOWN_CONFIRMATIONS: u32 = 3;
@@ -79,7 +82,7 @@ impl Domains {
         signals: Sender<Signal>,
     ) -> Domains {
         Domains {
-            policy: cfg.mps.policy(),
+            policy: crate::domain::Policy::from_config(&cfg.mps),
             cfg,
             store,
             backend,
@@ -154,8 +157,8 @@ impl Domains {
     /// Each tail starts at the position kept with the decisions (an adopted daemon: lines written
     /// while the agent was down are read then), else at the file's end now, which is kept as the
     /// position from then on: a fault written after it is read after a restart, however soon.
-    pub fn follow_logs(&self, spec: &DomainSpec, started: super::dirs::Started) {
-        if started == super::dirs::Started::Fresh {
+    pub fn follow_logs(&self, spec: &DomainSpec, started: crate::gpu::dirs::Started) {
+        if started == crate::gpu::dirs::Started::Fresh {
             self.log_tails.stop(spec.id);
         }
         if !self.cfg.faults.mps_logs {
@@ -164,7 +167,7 @@ impl Domains {
         let from: std::collections::BTreeMap<std::path::PathBuf, LogCursor> = {
             let mut st = self.store.lock();
             let cursors = &mut st.durable.cursors;
-            if started == super::dirs::Started::Fresh {
+            if started == crate::gpu::dirs::Started::Fresh {
                 cursors.forget_dir(&spec.log_dir);
             }
             super::tails::LOGS
@@ -332,7 +335,7 @@ impl Domains {
             if tick.is_multiple_of(WATCHDOG_EVERY) {
                 self.restart_dead_daemons(&mut down);
             }
-            if tick.is_multiple_of(crate::act::escalation::RETRY_FENCED.as_secs() as u32) {
+            if tick.is_multiple_of(RETRY_FENCED.as_secs() as u32) {
                 self.retry_fenced();
             }
             let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
@@ -388,7 +391,7 @@ impl Domains {
         self.backend
             .restart_daemon(&spec)
             .map_err(|e| e.to_string())?;
-        self.follow_logs(&spec, super::dirs::Started::Fresh);
+        self.follow_logs(&spec, crate::gpu::dirs::Started::Fresh);
         Ok(())
     }
 

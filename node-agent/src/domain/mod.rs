@@ -11,13 +11,11 @@
 //! The price, also measured: clients of different servers are time-sliced, not concurrent, and
 //! each server takes ~66 MiB of GPU memory (README, BENCHMARKS.md).
 //!
-//! `dirs` makes a domain's pipe and log directories fresh for each daemon start (root's log
-//! directory: the root control daemon follows symlinks there); `table` decides placement (pure
+//! `table` decides placement (pure
 //! data, durable); `lifecycle` starts, adopts, watches and stops
 //! the domains' daemons for the agent; `probe` asks servers whether they are in FAULT after a fault
 //! no domain showed yet; `tails` follows each domain's MPS logs.
 
-pub mod dirs;
 pub mod lifecycle;
 pub mod probe;
 mod table;

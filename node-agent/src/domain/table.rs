@@ -39,19 +39,6 @@ pub fn paths(run_dir: &Path, d: DomainId) -> (PathBuf, PathBuf) {
     (base.join("pipe"), base.join("log"))
 }
 
-/// What a domain's daemon is started with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DomainSpec {
-    pub id: DomainId,
-    pub pipe_dir: PathBuf,
-    pub log_dir: PathBuf,
-    /// Only this uid's processes may open the pipe directory (job and user domains).
-    pub owner_uid: Option<u32>,
-    /// Server defaults (`set_default_active_thread_percentage`, pinned memory limit).
-    pub thread_pct: Option<u8>,
-    pub mem_limit: Option<u64>,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DomainRecord {
     pub id: DomainId,
@@ -65,16 +52,7 @@ pub struct DomainRecord {
     pub empty_since_ms: Option<u64>,
 }
 
-/// Who goes to a domain of their own after being the culprit of a fault.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum QuarantineRule {
-    Off,
-    /// The job (its next run, e.g. after a requeue) gets a domain of its own.
-    Job,
-    /// Every job of the culprit's user gets a domain of its own.
-    User,
-}
+pub use crate::config::QuarantineRule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "id", rename_all = "snake_case")]
@@ -92,6 +70,19 @@ pub struct Policy {
     pub max_per_gpu: u32,
     pub quarantine: QuarantineRule,
     pub quarantine_ms: u64,
+}
+
+impl Policy {
+    /// The placement rules of the agent's `[mps]` table.
+    pub fn from_config(m: &crate::config::MpsConfig) -> Policy {
+        Policy {
+            default: m.isolation_default,
+            allowed: m.isolation_allowed.iter().copied().collect(),
+            max_per_gpu: m.max_domains_per_gpu,
+            quarantine: m.quarantine,
+            quarantine_ms: m.quarantine_s.saturating_mul(1000),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,47 +1,11 @@
 //! Xid classification: a table (data) from Xid to class, and per class its blast radius and default
 //! action. Sources: NVIDIA's Xid catalogue and what KNOWLEDGE.md measured under MPS on an H200.
 
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 pub use mpsr_proto::FaultClass;
 
-/// Who a fault of a class hits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BlastRadius {
-    /// Nobody.
-    None,
-    /// Every client of the MPS server the fault happened in (measured: an application fault kills
-    /// its server's clients; other servers of the same GPU run on), narrowed to the culprit only
-    /// when an isolation source names it and the class is isolatable.
-    Domain,
-    /// Every client of every fault domain of the GPU (hardware).
-    Gpu,
-}
-
-/// What to do with the hit jobs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum JobAction {
-    /// Log only.
-    None,
-    /// Per the job's mode: requeue (batch) or resume in place.
-    Recover,
-    /// Requeue only (resume in place is impossible, e.g. the GPU is gone).
-    RequeueOnly,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClassPolicy {
-    pub radius: BlastRadius,
-    pub action: JobAction,
-    /// Drain the node (hardware classes only; refused for others at config load).
-    pub drain: bool,
-    /// A culprit named by an isolation source can be terminated alone (memory faults with the patch).
-    pub isolatable: bool,
-}
+pub use crate::signal::{BlastRadius, ClassPolicy, JobAction};
 
 impl ClassPolicy {
     pub fn default_for(class: FaultClass) -> ClassPolicy {

@@ -12,8 +12,9 @@
 use super::classify::{BlastRadius, Classifier, FaultClass};
 use super::correlate::{FaultEvent, Merge, Signal};
 use super::decide::{decide, Action, Decision};
-use crate::act::slurm::queue::{ActionKey, PendingAction, SlurmOp};
+use crate::act::takeover::Release;
 use crate::domain::{jobs_by_domain, DomainProbe, Policy};
+use crate::store::queue::{self, ActionKey, PendingAction, SlurmOp};
 use crate::store::registry::{Registry, Task, TaskKey};
 use crate::store::state::{
     push_outcome, Durable, Recovering, ResumeEntry, Standby, State, Takeover,
@@ -60,16 +61,6 @@ pub enum Effect {
     /// A standby waited in a server that faulted: it is poisoned (its next CUDA call fails) and
     /// holds that server in FAULT; it is ended (its supervisor runs on without one).
     EndStandby(Standby),
-}
-
-/// A standby to release, with what fences the old incarnation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Release {
-    pub fault_id: u64,
-    pub task: TaskKey,
-    pub standby: Standby,
-    /// When the fault's first signal came (the takeover is timed from it).
-    pub first: Instant,
 }
 
 impl Ctx<'_> {
@@ -287,8 +278,8 @@ fn apply(
 /// The hit run of a batch job goes back to Slurm's queue (once per run, however many faults).
 fn requeue(st: &mut State, ev: &FaultEvent, job_id: u32) {
     let restarts_before = run_of(st, job_id);
-    enqueue(
-        st,
+    queue::enqueue(
+        &mut st.durable,
         ActionKey::Requeue {
             fault: ev.id,
             job: job_id,
@@ -312,8 +303,8 @@ fn drain(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, reason: &st
     if known.is_some_and(|(c, _)| c == dec.class) {
         return;
     }
-    enqueue(
-        st,
+    queue::enqueue(
+        &mut st.durable,
         ActionKey::Drain { fault: ev.id },
         ev.id,
         SlurmOp::Drain {
@@ -499,71 +490,6 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
             st.history.pop_front();
         }
     }
-}
-
-/// Queues a Slurm action unless it (or one that covers it) is queued or done already.
-/// Drains the node for a fault whose domain could not be brought back (escalation's fence).
-pub fn enqueue_drain(st: &mut State, node: &str, fault_id: u64, why: String) {
-    enqueue(
-        st,
-        ActionKey::Drain { fault: fault_id },
-        fault_id,
-        SlurmOp::Drain {
-            node: node.to_string(),
-            reason: format!("{} {why}", mpsr_proto::fault::SLURM_TEXT_PREFIX),
-        },
-    );
-}
-
-fn enqueue(st: &mut State, key: ActionKey, fault_id: u64, op: SlurmOp) {
-    if st.durable.done_keys.contains(&key) || st.durable.pending.iter().any(|p| p.key == key) {
-        return;
-    }
-    // A fault storm hits the same job and node again and again: one requeue per run of a job and
-    // one drain in flight per node, however many faults come (each fault still records the hit).
-    let coalesced = match &op {
-        SlurmOp::Requeue { job_id, .. } => st
-            .durable
-            .pending
-            .iter()
-            .find_map(|p| {
-                matches!(p.op, SlurmOp::Requeue { job_id: j, .. } if j == *job_id)
-                    .then_some(p.fault_id)
-            })
-            .or_else(|| {
-                let run = op.run_key()?;
-                st.durable
-                    .done_keys
-                    .contains(&run)
-                    .then(|| st.durable.requeued.get(job_id).copied().unwrap_or(fault_id))
-            }),
-        SlurmOp::Drain { .. } => st
-            .durable
-            .pending
-            .iter()
-            .find_map(|p| matches!(p.op, SlurmOp::Drain { .. }).then_some(p.fault_id)),
-        // Queued by `annotate`, one per job and fault.
-        SlurmOp::Annotate { .. } => None,
-    };
-    if let Some(earlier) = coalesced {
-        if let SlurmOp::Requeue { job_id, .. } = op {
-            push_outcome(
-                &mut st.durable.outcomes,
-                job_id,
-                format!("fault {fault_id}: requeue already under way for fault {earlier}"),
-            );
-        }
-        return;
-    }
-    st.durable.pending.push(PendingAction {
-        key,
-        not_before_ms: None,
-        fault_id,
-        op,
-        attempts: 0,
-        last_error: None,
-        fresh: true,
-    });
 }
 
 /// Queues (or, on a re-decision, rewrites while still queued) the line a hit job's AdminComment

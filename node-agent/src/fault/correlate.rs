@@ -26,7 +26,7 @@ pub struct FaultEvent {
     /// Some of its evidence was read after an agent restart (it happened while the agent was down).
     pub replayed: bool,
     /// The latest recovery action an Xid 154 line of this fault named.
-    pub recovery: Option<crate::fault::classify::RecoveryAction>,
+    pub recovery: Option<mpsr_proto::fault::RecoveryAction>,
 }
 
 impl FaultEvent {

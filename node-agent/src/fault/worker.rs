@@ -7,11 +7,11 @@
 use super::classify::Classifier;
 use super::core::{self, Ctx, Effect};
 use super::correlate::{GpuRef, Signal, Source};
-use crate::act::slurm::queue::ActionKey;
 use crate::config::Config;
 use crate::domain::probe::DomainProbe;
 use crate::domain::Policy;
 use crate::gpu::GpuBackend;
+use crate::store::queue::ActionKey;
 use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::DomainId;
@@ -51,7 +51,7 @@ impl FaultWorker {
         probes: Sender<DomainProbe>,
     ) -> FaultWorker {
         FaultWorker {
-            policy: cfg.mps.policy(),
+            policy: crate::domain::Policy::from_config(&cfg.mps),
             cfg,
             node,
             store,

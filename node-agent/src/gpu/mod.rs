@@ -1,16 +1,18 @@
 //! GPU backends: real GPUs (NVML + nvidia-cuda-mps-control) or simulated ones. The rest of the agent
 //! only sees this trait: GPUs, their event sources, and fault domains (one MPS control daemon and
-//! server each) addressed by [`DomainId`].
+//! server each) addressed by [`DomainId`]. `dirs` makes a domain's pipe and log directories fresh
+//! for each daemon start (root's log directory: the root control daemon follows symlinks there).
 
+pub mod dirs;
 pub mod mps;
 pub mod nvml;
 pub mod sim;
 
-use crate::domain::dirs::Started;
-use crate::domain::DomainSpec;
 use crate::signal::PciAddr;
 use crate::signal::Signal;
+use dirs::Started;
 use mpsr_proto::{DomainId, ServerState};
+use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +56,19 @@ pub enum BackendError {
     Sim(String),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// What a domain's daemon is started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainSpec {
+    pub id: DomainId,
+    pub pipe_dir: PathBuf,
+    pub log_dir: PathBuf,
+    /// Only this uid's processes may open the pipe directory (job and user domains).
+    pub owner_uid: Option<u32>,
+    /// Server defaults (`set_default_active_thread_percentage`, pinned memory limit).
+    pub thread_pct: Option<u8>,
+    pub mem_limit: Option<u64>,
 }
 
 pub trait GpuBackend: Send + Sync {

@@ -3,9 +3,9 @@
 
 use super::{BackendError, CheckFailed, CheckLine, GpuBackend, GpuInfo};
 use crate::config::Config;
-use crate::domain::dirs::Started;
-use crate::domain::DomainSpec;
+use crate::gpu::dirs::Started;
 use crate::gpu::mps::MpsDaemon;
+use crate::gpu::DomainSpec;
 use crate::signal::PciAddr;
 use crate::signal::{GpuRef, Signal, Source};
 use mpsr_proto::{DomainId, ServerState};

@@ -5,8 +5,8 @@
 //! the agent learns it only from what the hardware shows, as on a real node.
 
 use super::{BackendError, GpuBackend, GpuInfo};
-use crate::domain::dirs::Started;
-use crate::domain::DomainSpec;
+use crate::gpu::dirs::Started;
+use crate::gpu::DomainSpec;
 use crate::intake::kernel_line;
 use crate::signal::PciAddr;
 use crate::signal::{GpuRef, Signal, Source};
@@ -200,10 +200,10 @@ impl GpuBackend for SimBackend {
         // A daemon that answers is adopted with its directories; else they are made fresh.
         if self.server_state(spec.id) != ServerState::Down {
             self.call(&self.start_request(spec))?;
-            crate::domain::dirs::harden_adopted(&spec.log_dir)?;
+            crate::gpu::dirs::harden_adopted(&spec.log_dir)?;
             return Ok(Started::Adopted);
         }
-        crate::domain::dirs::fresh(&spec.pipe_dir, &spec.log_dir, spec.owner_uid)?;
+        crate::gpu::dirs::fresh(&spec.pipe_dir, &spec.log_dir, spec.owner_uid)?;
         let req = self.start_request(spec);
         if self.call(&req).is_ok() {
             return Ok(Started::Fresh);

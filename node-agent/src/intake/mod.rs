@@ -4,9 +4,11 @@
 //! the domains' lifecycle.)
 //!
 //! - `kernel_line`: the NVRM Xid and isolation lines, parsed.
+//! - `control_log`: the MPS daemons' log lines, parsed.
 //! - `readers`: the kmsg reader thread and the log tails.
 //! - `file_watch`: waiting for a log to change (inotify).
 
+pub mod control_log;
 pub mod file_watch;
 pub mod kernel_line;
 pub mod readers;

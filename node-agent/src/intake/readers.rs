@@ -1,7 +1,7 @@
 //! Fault intake threads for real nodes: `/dev/kmsg` (NVRM Xid lines, resuming after the last sequence
 //! number seen in this boot) and tailing each fault domain's MPS logs. Each turns lines into [`Signal`]s.
 
-use crate::gpu::mps::{parse_control_log, ControlLogEvent};
+use crate::intake::control_log::{parse_control_log, ControlLogEvent};
 use crate::intake::kernel_line;
 pub use crate::signal::{Cursor, Cursors, KmsgCursor, LogCursor};
 use crate::signal::{GpuRef, Signal, Source};
@@ -50,7 +50,7 @@ pub fn spawn_kmsg_reader(
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)?;
     let boot = boot_id();
-    let saved: Option<KmsgCursor> = crate::store::atomic_file::read(&cursor_file).ok().flatten();
+    let saved: Option<KmsgCursor> = crate::sys::atomic_file::read(&cursor_file).ok().flatten();
     let resume_after = match saved {
         Some(c) if c.boot_id == boot => Some(c.seq),
         _ => {
@@ -226,7 +226,7 @@ pub fn signal_from_kernel(line: &kernel_line::KernelLine, source: Source) -> Opt
             s.secondary = x.secondary;
             s.recovery = x
                 .recovery_code
-                .and_then(crate::fault::classify::RecoveryAction::from_code);
+                .and_then(mpsr_proto::fault::RecoveryAction::from_code);
             s.detail = x.detail.clone();
             Some(s)
         }

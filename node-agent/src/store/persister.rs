@@ -2,8 +2,8 @@
 //! bumps the durable generation. Registry changes alone go to the journal (cheap); anything else
 //! rewrites the state file.
 
-use crate::store::atomic_file::{self, PersistError};
 use crate::store::state::State;
+use crate::sys::atomic_file::{self, PersistError};
 use crate::sys::lock;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};

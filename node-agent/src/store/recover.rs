@@ -3,8 +3,8 @@
 //! while the agent was down leave the registry, and their standbys and resume entries go).
 
 use crate::fault::correlate::Correlator;
-use crate::store::atomic_file::{self, PersistError};
 use crate::store::state::{Durable, State, TelemetryLog};
+use crate::sys::atomic_file::{self, PersistError};
 use crate::sys::procfs;
 use mpsr_proto::DecisionRecord;
 use std::collections::{BTreeMap, VecDeque};

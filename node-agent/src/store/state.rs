@@ -1,10 +1,10 @@
 //! What the agent keeps: the durable part (survives restarts) and the in-memory part of its state.
 
-use crate::act::slurm::queue::PendingAction;
 use crate::domain::DomainTable;
-use crate::fault::classify::FaultClass;
 use crate::fault::correlate::Correlator;
+use crate::store::queue::PendingAction;
 use crate::store::registry::Registry;
+use mpsr_proto::FaultClass;
 use mpsr_proto::{DecisionRecord, DomainId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -156,7 +156,7 @@ pub struct Durable {
     pub domains: DomainTable,
     pub next_fault_id: u64,
     pub pending: Vec<PendingAction>,
-    pub done_keys: VecDeque<crate::act::slurm::queue::ActionKey>,
+    pub done_keys: VecDeque<crate::store::queue::ActionKey>,
     /// job -> outcome lines (requeue done, resume handed over, ...).
     pub outcomes: BTreeMap<u32, Vec<String>>,
     /// Hit task -> what its resume supervisor is told.

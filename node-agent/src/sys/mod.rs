@@ -1,8 +1,9 @@
 //! Leaf helpers on the operating system, used by every stage: /proc facts, starting programs with
-//! a deadline, telling systemd, logging, the wall clock and poison-tolerant locks. Nothing here
-//! knows about faults, jobs or GPUs.
+//! a deadline, telling systemd, atomic file writes, the wall clock, poison-tolerant locks and the HTTP
+//! endpoint's allow list (`http_access`). Nothing here knows about faults, jobs or GPUs.
 
-pub mod logging;
+pub mod atomic_file;
+pub mod http_access;
 pub mod memory;
 pub mod notify;
 pub mod process;

@@ -1,9 +1,8 @@
-//! Slurm actions: `listing` (what Slurm lists of a job or node, from fields no user chooses), `queue` (what a decision queues, with its idempotency key), `scontrol` (one
-//! call, judged by Slurm's own fields), `worker` (the thread that carries the queue out, after the
-//! decision is on disk, with retries and backoff).
+//! Slurm actions: `listing` (what Slurm lists of a job or node, from fields no user chooses),
+//! `scontrol` (one call, judged by Slurm's own fields), `worker` (the thread that carries the queue out, after the
+//! decision is on disk, with retries and backoff). The queue itself is durable state (`store::queue`).
 
 pub mod listing;
-pub mod queue;
 pub mod scontrol;
 pub mod worker;
 

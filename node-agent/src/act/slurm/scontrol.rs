@@ -3,8 +3,8 @@
 //! never from the refusal's words.
 
 use super::listing::{self, admin_comment_from_json, JobFacts, NodeState};
-use super::queue::SlurmOp;
 use crate::config::SlurmConfig;
+use crate::store::queue::SlurmOp;
 use crate::sys::process::{run_bounded, RunError};
 use std::process::Command;
 use std::time::Duration;

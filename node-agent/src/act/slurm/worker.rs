@@ -1,8 +1,8 @@
 //! Executes pending Slurm actions (requeue, drain) outside the state lock, with retries and backoff;
 //! each result becomes an outcome line of its fault and job.
 
-use crate::act::slurm::queue::{ActionKey, PendingAction, SlurmOp};
 use crate::act::slurm::scontrol::{Outcome, Scontrol};
+use crate::store::queue::{ActionKey, PendingAction, SlurmOp};
 use crate::store::state::DONE_KEYS_KEPT;
 use crate::store::Store;
 use std::collections::BTreeMap;

@@ -1,10 +1,10 @@
 //! The fault core's stateful cases, each on a state built by hand and signals with set times.
 
 use super::*;
-use crate::act::slurm::queue::ActionKey;
 use crate::config::FaultConfig;
 use crate::domain::QuarantineRule;
 use crate::fault::correlate::{Correlator, GpuRef, Source};
+use crate::store::queue::ActionKey;
 use crate::store::state::State;
 use mpsr_proto::{Isolation, Mode};
 use std::collections::{BTreeMap, VecDeque};
@@ -561,7 +561,7 @@ fn each_xid_is_counted_once_by_its_class_unknown_ones_too() {
     );
     assert!(w.requeues().is_empty(), "an unknown Xid hits nobody");
     let mut s = w.signal(Source::Kmsg, Some(154), None, 60_000);
-    s.recovery = crate::fault::classify::RecoveryAction::from_code(0);
+    s.recovery = mpsr_proto::fault::RecoveryAction::from_code(0);
     w.feed(s);
     assert_eq!(w.st.xid_totals.get(&(0, 154, FaultClass::Info)), Some(&1));
     assert_eq!(w.st.history.back().map(|r| r.class), Some(FaultClass::Info));

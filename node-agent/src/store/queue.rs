@@ -2,6 +2,7 @@
 //! key, queued in the durable state (so an agent restart loses none) and coalesced in a storm (one
 //! requeue per run of a job, one drain in flight).
 
+use crate::store::state::{push_outcome, Durable};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -138,6 +139,68 @@ pub struct PendingAction {
     /// restart may have run just before the crash, so it is verified against Slurm first.
     #[serde(skip)]
     pub fresh: bool,
+}
+
+/// Drains the node for a fault whose domain could not be brought back (escalation's fence).
+pub fn enqueue_drain(d: &mut Durable, node: &str, fault_id: u64, why: String) {
+    enqueue(
+        d,
+        ActionKey::Drain { fault: fault_id },
+        fault_id,
+        SlurmOp::Drain {
+            node: node.to_string(),
+            reason: format!("{} {why}", mpsr_proto::fault::SLURM_TEXT_PREFIX),
+        },
+    );
+}
+
+/// Queues a Slurm action unless it (or one that covers it) is queued or done already.
+pub fn enqueue(d: &mut Durable, key: ActionKey, fault_id: u64, op: SlurmOp) {
+    if d.done_keys.contains(&key) || d.pending.iter().any(|p| p.key == key) {
+        return;
+    }
+    // A fault storm hits the same job and node again and again: one requeue per run of a job and
+    // one drain in flight per node, however many faults come (each fault still records the hit).
+    let coalesced = match &op {
+        SlurmOp::Requeue { job_id, .. } => d
+            .pending
+            .iter()
+            .find_map(|p| {
+                matches!(p.op, SlurmOp::Requeue { job_id: j, .. } if j == *job_id)
+                    .then_some(p.fault_id)
+            })
+            .or_else(|| {
+                let run = op.run_key()?;
+                d.done_keys
+                    .contains(&run)
+                    .then(|| d.requeued.get(job_id).copied().unwrap_or(fault_id))
+            }),
+        SlurmOp::Drain { .. } => d
+            .pending
+            .iter()
+            .find_map(|p| matches!(p.op, SlurmOp::Drain { .. }).then_some(p.fault_id)),
+        // Queued by `annotate`, one per job and fault.
+        SlurmOp::Annotate { .. } => None,
+    };
+    if let Some(earlier) = coalesced {
+        if let SlurmOp::Requeue { job_id, .. } = op {
+            push_outcome(
+                &mut d.outcomes,
+                job_id,
+                format!("fault {fault_id}: requeue already under way for fault {earlier}"),
+            );
+        }
+        return;
+    }
+    d.pending.push(PendingAction {
+        key,
+        not_before_ms: None,
+        fault_id,
+        op,
+        attempts: 0,
+        last_error: None,
+        fresh: true,
+    });
 }
 
 #[cfg(test)]
