@@ -178,35 +178,15 @@ impl Recovery {
     ) -> Option<(Vec<FaultOutcome>, Vec<u32>)> {
         let (mut lines, mut terminate) = (Vec::new(), Vec::new());
         let mut st = self.store.lock();
-        let hit = st.recovering.get(&domain)?.hit_jobs.clone();
-        let (mut kill, mut blockers) = (Vec::new(), Vec::new());
         let r = st.recovering.get(&domain)?;
+        let hit = r.hit_jobs.clone();
         let fenced_by_us: Vec<u32> = r
             .fenced_pids
             .iter()
             .filter(|(p, ticks)| procfs::alive(*p, *ticks))
             .map(|(p, _)| *p)
             .collect();
-        for pid in clients {
-            let ancestry = procfs::ancestry(pid);
-            // One the agent ended itself (a takeover's primary) is a hit client until it is gone.
-            let of_hit_job = fenced_by_us.contains(&pid)
-                || hit.iter().any(|j| {
-                    st.durable
-                        .registry
-                        .task_in_ancestry(*j, &ancestry)
-                        .is_some()
-                        || st
-                            .recent_exits
-                            .iter()
-                            .any(|(_, t)| t.job_id == *j && ancestry.contains(&t.pid))
-                });
-            if of_hit_job {
-                kill.push(pid);
-            } else {
-                blockers.push(pid);
-            }
-        }
+        let (kill, blockers) = split_clients(&st, &hit, &fenced_by_us, clients, procfs::ancestry);
         let r = st.recovering.get_mut(&domain)?;
         for pid in kill {
             if r.killed.insert(pid) {
@@ -329,5 +309,86 @@ impl Recovery {
                 format!("hit by {fault}; {domain} server is {s:?}"),
             ),
         }
+    }
+}
+
+/// Which clients of a server held in FAULT are ended (those of a hit job: a registered task of it,
+/// or one that just exited, among their ancestors; or a process the agent itself fenced) and which
+/// are only reported as holding the server (every other one: never killed).
+fn split_clients(
+    st: &State,
+    hit: &std::collections::BTreeSet<u32>,
+    fenced_by_us: &[u32],
+    clients: Vec<u32>,
+    ancestry: impl Fn(u32) -> Vec<u32>,
+) -> (Vec<u32>, Vec<u32>) {
+    let (mut kill, mut blockers) = (Vec::new(), Vec::new());
+    for pid in clients {
+        let ancestry = ancestry(pid);
+        let of_hit_job = fenced_by_us.contains(&pid)
+            || hit.iter().any(|j| {
+                st.durable
+                    .registry
+                    .task_in_ancestry(*j, &ancestry)
+                    .is_some()
+                    || st
+                        .recent_exits
+                        .iter()
+                        .any(|(_, t)| t.job_id == *j && ancestry.contains(&t.pid))
+            });
+        if of_hit_job {
+            kill.push(pid);
+        } else {
+            blockers.push(pid);
+        }
+    }
+    (kill, blockers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::registry::Task;
+    use mpsr_proto::Mode;
+
+    fn task(job: u32, pid: u32) -> Task {
+        Task {
+            job_id: job,
+            step_id: 0,
+            pid,
+            uid: 1000,
+            gpus: vec![0],
+            mode: Mode::Requeue,
+            batch: true,
+            threads_pct: None,
+            mem_limit: None,
+            start_ticks: None,
+            domains: Vec::new(),
+            trusted: true,
+            restart_count: 0,
+        }
+    }
+
+    /// A client under a hit job's task (registered, or exited a moment ago) or fenced by the
+    /// agent is ended; a client of another job, or of no job, is only reported.
+    #[test]
+    fn only_the_clients_of_hit_jobs_are_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut st =
+            crate::store::recover::recover(dir.path(), Duration::from_millis(100)).unwrap();
+        st.durable.registry.register(task(5, 100)).unwrap();
+        st.durable.registry.register(task(6, 200)).unwrap();
+        st.note_exit(task(7, 300), Duration::from_secs(60));
+        let hit = [5, 7].into_iter().collect();
+        // pid -> its ancestors (itself first), as /proc would say.
+        let tree = |pid: u32| match pid {
+            101 => vec![101, 100, 1],
+            201 => vec![201, 200, 1],
+            301 => vec![301, 300, 1],
+            p => vec![p, 1],
+        };
+        let (kill, report) = split_clients(&st, &hit, &[900], vec![101, 201, 301, 900, 950], tree);
+        assert_eq!(kill, vec![101, 301, 900]);
+        assert_eq!(report, vec![201, 950]);
     }
 }

@@ -144,3 +144,88 @@ impl Store {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::queue::{ActionKey, PendingAction, SlurmOp};
+    use std::sync::Arc;
+
+    fn store() -> (tempfile::TempDir, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let st = crate::store::recover::recover(dir.path(), Duration::from_millis(100)).unwrap();
+        let s = Store::new(st, dir.path());
+        (dir, s)
+    }
+
+    fn decision(fault_id: u64) -> mpsr_proto::DecisionRecord {
+        serde_json::from_value(serde_json::json!({
+            "fault_id": fault_id, "at_ms": 1, "gpu": 0, "xids": [43], "class": "app_sm",
+            "sources": [], "reported_pid": null, "culprit": null, "hit_jobs": [5],
+            "spared_jobs": [], "actions": [], "decide_us": 3
+        }))
+        .unwrap()
+    }
+
+    /// One call: the fault's record gets the typed outcome, the job's report its line, and the
+    /// history is written.
+    #[test]
+    fn an_outcome_is_recorded_once_on_the_fault_and_the_jobs_report() {
+        let (dir, s) = store();
+        s.lock().history.push_back(decision(7));
+        let o = FaultOutcome::Slurm {
+            done: true,
+            detail: "requeued job 5".into(),
+        };
+        let mut st = s.lock();
+        s.record(&mut st, 7, Some(5), o.clone());
+        assert_eq!(st.history[0].outcomes, vec![o.clone()]);
+        assert_eq!(st.durable.outcomes[&5], vec![format!("fault 7: {o}")]);
+        let g = s.latest_gen();
+        drop(st);
+        s.persist_now();
+        assert!(s.wait_durable(g));
+        let on_disk = std::fs::read_to_string(dir.path().join("history.json")).unwrap();
+        assert!(on_disk.contains("requeued job 5"), "{on_disk}");
+        // An outcome of no job reaches no job's report.
+        let mut st = s.lock();
+        s.record(&mut st, 7, None, FaultOutcome::NoDomainShowed);
+        assert_eq!(st.history[0].outcomes.len(), 2);
+        assert_eq!(st.durable.outcomes[&5].len(), 1);
+    }
+
+    /// A termination waiting for its Slurm action goes on when the action settles, not at its
+    /// next poll; without a settlement it gives up at its bound.
+    #[test]
+    fn a_waiter_goes_on_when_its_action_settles() {
+        let (_dir, s) = store();
+        let s = Arc::new(s);
+        let key = ActionKey::Drain { fault: 3 };
+        s.lock().durable.pending.push(PendingAction {
+            key: key.clone(),
+            not_before_ms: None,
+            fault_id: 3,
+            op: SlurmOp::Drain {
+                node: "n1".into(),
+                reason: "r".into(),
+            },
+            attempts: 0,
+            last_error: None,
+            fresh: true,
+        });
+        let gone = |st: &State| !st.durable.pending.iter().any(|p| p.key == key);
+        let t = Instant::now();
+        assert!(!s.wait_settled(Duration::from_millis(50), gone));
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        let s2 = s.clone();
+        let settler = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            s2.lock().durable.pending.clear();
+            s2.action_settled();
+        });
+        let t = Instant::now();
+        assert!(s.wait_settled(Duration::from_secs(30), gone));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        settler.join().unwrap();
+    }
+}
