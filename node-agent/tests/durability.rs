@@ -22,7 +22,7 @@ fn registry_survives_agent_restart_and_actions_are_not_duplicated() {
     e.wait_for("requeue", |e| e.scontrol_log().contains("requeue 11"));
     e.kill_agent();
     e.start_agent();
-    std::thread::sleep(Duration::from_millis(500));
+    e.barrier(1);
     assert_eq!(
         e.scontrol_log().matches("requeue 11").count(),
         1,
@@ -59,7 +59,7 @@ fn an_agent_killed_between_decision_and_action_requeues_exactly_once() {
             e.scontrol_log().contains(&want) && status(e).pending_actions == 0
         });
         let _ = std::fs::remove_file(hold);
-        std::thread::sleep(Duration::from_millis(500));
+        e.barrier(1);
         assert_eq!(
             e.scontrol_log().matches(&want).count(),
             1,
@@ -74,6 +74,15 @@ fn an_agent_killed_between_decision_and_action_requeues_exactly_once() {
             events.iter().any(|r| r.hit_jobs.contains(&job)),
             "the decision survived the kill: {events:?}"
         );
+        // The next round's client needs the server back (a server in FAULT refuses clients).
+        e.wait_for("gpu0's server ACTIVE again", |e| {
+            e.domain(mpsr_proto::DomainId::shared(0)).is_some_and(|d| {
+                matches!(
+                    d.state,
+                    mpsr_proto::ServerState::Active | mpsr_proto::ServerState::Idle
+                )
+            })
+        });
     }
 }
 
@@ -347,8 +356,8 @@ fn a_fault_while_the_agent_was_down_is_decided_at_its_restart_exactly_once() {
     // Restarted again: nothing is decided twice.
     e.kill_agent();
     e.start_agent();
-    std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(e.events().len(), 1, "{:?}", e.events());
+    e.barrier(1);
+    assert_eq!(e.faults().len(), 1, "{:?}", e.events());
     assert_eq!(
         e.scontrol_log().matches("requeue 93").count(),
         1,
@@ -373,8 +382,8 @@ fn a_fault_decided_before_a_restart_is_not_replayed_while_the_agent_was_down() {
     });
     e.kill_agent();
     e.start_agent();
-    std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(e.events().len(), 1, "{:?}", e.events());
+    e.barrier(1);
+    assert_eq!(e.faults().len(), 1, "{:?}", e.events());
     assert_eq!(e.scontrol_log().matches("requeue 94").count(), 1);
 }
 

@@ -240,7 +240,7 @@ fn a_job_that_failed_on_its_own_before_a_fault_is_not_its_victim() {
     });
     let f = &e.events()[0];
     assert_eq!(f.hit_jobs, vec![32], "{f:?}");
-    std::thread::sleep(Duration::from_millis(300));
+    e.barrier(1);
     assert!(
         !e.scontrol_log().contains("requeue 31"),
         "{}",
@@ -460,7 +460,10 @@ fn a_wall_clock_jump_changes_no_decision() {
             "at_ms off by {skew} ms from the jumped clock"
         );
         assert!(rec.decide_us < 5_000_000, "{rec:?}");
-        std::thread::sleep(Duration::from_millis(300));
+        // A second requeue would be queued by this decision: none is left to run.
+        e.wait_for("no Slurm action pending", |e| {
+            status(e).pending_actions == 0
+        });
         assert_eq!(e.scontrol_log().matches(&want).count(), 1);
     }
 }

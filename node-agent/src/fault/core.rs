@@ -280,10 +280,6 @@ fn requeue(st: &mut State, ev: &FaultEvent, job_id: u32) {
     let restarts_before = run_of(st, job_id);
     queue::enqueue(
         &mut st.durable,
-        ActionKey::Requeue {
-            fault: ev.id,
-            job: job_id,
-        },
         ev.id,
         SlurmOp::Requeue {
             job_id,
@@ -305,7 +301,6 @@ fn drain(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, reason: &st
     }
     queue::enqueue(
         &mut st.durable,
-        ActionKey::Drain { fault: ev.id },
         ev.id,
         SlurmOp::Drain {
             node: ctx.node.to_string(),
@@ -498,16 +493,13 @@ fn record(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, decide_us:
 fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job_id: u32, line: String) {
     let not_before_ms = (dec.class == FaultClass::AppServer)
         .then_some(ev.first_ms + ctx.faults.correlation_window_ms);
-    let key = ActionKey::Annotate {
-        fault: ev.id,
-        job: job_id,
-    };
     let restarts = run_of(st, job_id);
     let op = SlurmOp::Annotate {
         job_id,
         line,
         restarts,
     };
+    let key = op.key(ev.id);
     if st.durable.done_keys.contains(&key) {
         return;
     }

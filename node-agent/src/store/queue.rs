@@ -32,6 +32,29 @@ pub enum SlurmOp {
 }
 
 impl SlurmOp {
+    /// The key that makes this action for fault `fault` idempotent (derived, never built apart).
+    pub fn key(&self, fault: u64) -> ActionKey {
+        match self {
+            SlurmOp::Requeue { job_id, .. } => ActionKey::Requeue {
+                fault,
+                job: *job_id,
+            },
+            SlurmOp::Drain { .. } => ActionKey::Drain { fault },
+            SlurmOp::Annotate { job_id, .. } => ActionKey::Annotate {
+                fault,
+                job: *job_id,
+            },
+        }
+    }
+
+    /// The job the action is about (none for a drain).
+    pub fn job(&self) -> Option<u32> {
+        match self {
+            SlurmOp::Requeue { job_id, .. } | SlurmOp::Annotate { job_id, .. } => Some(*job_id),
+            SlurmOp::Drain { .. } => None,
+        }
+    }
+
     /// The run of a job a requeue ends (job id and Slurm's restart count), when known: a done
     /// requeue keeps it among the done keys so later faults of the same run add no second one.
     pub fn run_key(&self) -> Option<ActionKey> {
@@ -145,7 +168,6 @@ pub struct PendingAction {
 pub fn enqueue_drain(d: &mut Durable, node: &str, fault_id: u64, why: String) {
     enqueue(
         d,
-        ActionKey::Drain { fault: fault_id },
         fault_id,
         SlurmOp::Drain {
             node: node.to_string(),
@@ -155,7 +177,8 @@ pub fn enqueue_drain(d: &mut Durable, node: &str, fault_id: u64, why: String) {
 }
 
 /// Queues a Slurm action unless it (or one that covers it) is queued or done already.
-pub fn enqueue(d: &mut Durable, key: ActionKey, fault_id: u64, op: SlurmOp) {
+pub fn enqueue(d: &mut Durable, fault_id: u64, op: SlurmOp) {
+    let key = op.key(fault_id);
     if d.done_keys.contains(&key) || d.pending.iter().any(|p| p.key == key) {
         return;
     }

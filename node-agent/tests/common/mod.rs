@@ -176,6 +176,27 @@ impl Env {
         }
     }
 
+    /// Waits until everything signalled before now has been decided and acted on: an
+    /// informational Xid 63 on `gpu` (not one an earlier fault's window would take in) goes
+    /// through the same reader after every earlier line; once it is decided and no Slurm action is
+    /// pending, whatever an earlier line would lead to has happened. A condition, not a sleep, for
+    /// the "nothing twice" assertions.
+    pub fn barrier(&self, gpu: u32) {
+        let markers = |e: &Env| e.events().iter().filter(|r| r.xids == [63]).count();
+        let before = markers(self);
+        self.inject(gpu, 63, None, None);
+        self.wait_for("the barrier decided and no action pending", |e| {
+            markers(e) > before && status(e).pending_actions == 0
+        });
+    }
+
+    /// The decisions but the barriers' (see `barrier`).
+    pub fn faults(&self) -> Vec<mpsr_proto::DecisionRecord> {
+        let mut v = self.events();
+        v.retain(|r| r.xids != [63]);
+        v
+    }
+
     pub fn events(&self) -> Vec<mpsr_proto::DecisionRecord> {
         match self.call(&Request::Events { limit: 100 }).unwrap() {
             Response::Events { events, .. } => events,

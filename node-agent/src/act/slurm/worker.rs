@@ -110,10 +110,7 @@ impl SlurmWorker {
             }
             Settlement::Final { ok, detail } => (ok, detail),
         };
-        let job = match &next.op {
-            SlurmOp::Requeue { job_id, .. } | SlurmOp::Annotate { job_id, .. } => Some(*job_id),
-            SlurmOp::Drain { .. } => None,
-        };
+        let job = next.op.job();
         if ok {
             if let SlurmOp::Requeue {
                 job_id,
