@@ -105,3 +105,42 @@ fn folder_arrows_run_one_way() {
         );
     }
 }
+
+/// The fault core decides from its inputs alone: no threads, clocks, files, processes or GPU
+/// backends in its non-test code (time comes with the signal, process facts through `Ctx`); it
+/// logs its decisions, nothing more.
+#[test]
+fn the_fault_core_is_pure() {
+    const CORE: &[&str] = &[
+        "fault/core.rs",
+        "fault/decide.rs",
+        "fault/correlate.rs",
+        "fault/classify.rs",
+    ];
+    const IMPURE: &[&str] = &[
+        "std::thread",
+        "Instant::now",
+        "SystemTime",
+        "now_ms",
+        "std::fs",
+        "std::process",
+        "libc::",
+        "crate::gpu",
+        "procfs",
+    ];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for f in CORE {
+        let text = std::fs::read_to_string(root.join(f)).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap();
+        for (n, line) in code.lines().enumerate() {
+            let line = line.split("//").next().unwrap();
+            for w in IMPURE {
+                if line.contains(w) {
+                    found.push(format!("{f}:{}: {w}", n + 1));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "the fault core reaches out: {found:#?}");
+}
