@@ -68,6 +68,14 @@ pub struct StandbyConfig {
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for each standby while it waits and after it took over
     /// (a client can only lower it), e.g. "8G"; empty: the job's own limit.
     pub memory_limit: String,
+    /// Warm standbys (`--mps-standby=warm`) per GPU at most (0: refused). A warm standby holds no
+    /// CUDA context while it waits: no GPU memory, no delay of the driver's fault reports; only
+    /// host memory (what the application loaded before its first CUDA call).
+    pub warm_max_per_gpu: u32,
+    /// The host memory (resident) all waiting warm standbys of the node may hold together, e.g.
+    /// "32G" (a PyTorch process with torch imported: ~0.5 GiB); a standby asked for beyond it is
+    /// refused (the task runs without one). Empty: no cap.
+    pub warm_host_memory: String,
 }
 
 impl Default for StandbyConfig {
@@ -75,6 +83,8 @@ impl Default for StandbyConfig {
         StandbyConfig {
             max_per_gpu: 8,
             memory_limit: String::new(),
+            warm_max_per_gpu: 32,
+            warm_host_memory: "32G".into(),
         }
     }
 }
@@ -640,6 +650,14 @@ impl Config {
 
     /// Sizes and paths of what the agent keeps.
     fn check_storage(&self) -> Result<(), KeyError> {
+        if !self.standby.warm_host_memory.is_empty()
+            && parse_size(&self.standby.warm_host_memory).is_none()
+        {
+            return Err(invalid(
+                "standby.warm_host_memory",
+                format!("'{}' is not a size like 32G", self.standby.warm_host_memory),
+            ));
+        }
         if !self.standby.memory_limit.is_empty() && parse_size(&self.standby.memory_limit).is_none()
         {
             return Err(invalid(

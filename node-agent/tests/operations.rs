@@ -266,6 +266,48 @@ fn a_hot_standby_takes_over_a_hit_task_without_a_restart() {
     drop(sup);
 }
 
+/// A warm standby waits before its first CUDA call: armed, but no client of any server (no
+/// context, no GPU memory) until the fault; released at the task's fault, it attaches and the
+/// task goes on without a restart.
+#[test]
+fn a_warm_standby_waits_without_a_context_and_takes_over() {
+    let e = Env::new("");
+    let (sup, err) = standby_task_of(&e, 55, "warm");
+    e.wait_for("the warm standby armed", |e| armed_standby(e, 55).is_some());
+    let standby = armed_standby(&e, 55).unwrap();
+    assert!(std::path::Path::new(&format!("/proc/{standby}")).exists());
+    // Armed and waiting, yet a client of no server.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(standby_clients(&e).is_empty(), "{:?}", standby_clients(&e));
+    let all: Vec<u32> = match e.call(&Request::Status).unwrap() {
+        Response::Status(s) => s.gpus[0]
+            .domains
+            .iter()
+            .flat_map(|d| d.clients.clone())
+            .collect(),
+        r => panic!("{r:?}"),
+    };
+    assert!(!all.contains(&standby), "{all:?}");
+    let neighbour = e.client(0, 30.0, false);
+    e.register(56, neighbour.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, Some(0));
+    e.wait_for("the takeover", |_| {
+        std::fs::read_to_string(&err).is_ok_and(|t| t.contains("warm standby took over"))
+    });
+    let text = std::fs::read_to_string(&err).unwrap();
+    assert!(!text.contains("restarting in place"), "{text}");
+    // Released, it attached to its (standby) domain's server and computes there.
+    e.wait_for("the released standby a client of the standby domain", |e| {
+        standby_clients(e) == vec![standby]
+    });
+    e.wait_for("the outcome line", |e| {
+        e.events()[0].outcomes.iter().any(|o| {
+            matches!(o, FaultOutcome::StandbyTookOver { standby: s, job: 55, .. } if *s == standby)
+        })
+    });
+    drop(sup);
+}
+
 #[test]
 fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
     let e = Env::new("");
@@ -287,4 +329,36 @@ fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
     });
     assert!(!std::fs::read_to_string(&err).unwrap().contains("took over"));
     drop(sup);
+}
+
+/// A resume supervisor that asks while its task's server recovers is held and answered `Restart`
+/// the moment the server is ACTIVE again, instead of `Wait` to poll once more; an older
+/// supervisor (no hold asked) gets `Wait` at once, as before.
+#[test]
+fn a_held_resume_query_is_answered_when_the_server_recovers() {
+    let e = Env::new("[sim]\nrecovery_ms = 500\n");
+    let task = e.client(0, 30.0, false);
+    let neighbour = e.client(0, 30.0, false);
+    e.register(61, task.id(), &[0], Mode::Resume, false);
+    e.register(62, neighbour.id(), &[0], Mode::Requeue, true);
+    e.inject(0, 43, None, Some(0));
+    e.wait_for("the decision", |e| !e.events().is_empty());
+    let ask = |wait_ms| match e
+        .call(&Request::ResumeQuery {
+            job_id: 61,
+            step_id: 0,
+            pid: task.id(),
+            wait_ms,
+        })
+        .unwrap()
+    {
+        Response::Resume { verdict, .. } => verdict,
+        r => panic!("{r:?}"),
+    };
+    assert_eq!(
+        ask(0),
+        mpsr_proto::ResumeVerdict::Wait,
+        "the server still recovers"
+    );
+    assert_eq!(ask(1000), mpsr_proto::ResumeVerdict::Restart);
 }

@@ -221,6 +221,11 @@ pub enum Request {
         job_id: u32,
         step_id: u32,
         pid: u32,
+        /// While the verdict is `Wait` (the task's server recovers), the agent holds the answer up
+        /// to this long (at most 1000 ms; absent from supervisors before 0.3: at once) and answers
+        /// the moment it changes: the restart follows the server's recovery at once, not a poll.
+        #[serde(default)]
+        wait_ms: u32,
     },
     /// Node health for the health check.
     Health,
@@ -266,13 +271,16 @@ pub enum Request {
         #[serde(default)]
         slot: Option<u32>,
     },
-    /// A resume supervisor (`pid`, the registered task or a process under it) wants a hot
-    /// standby for its task: where it may run (a fault domain other than the task's) and the
-    /// FIFO that releases it. Answered with `Standby`.
+    /// A resume supervisor (`pid`, the registered task or a process under it) wants a standby
+    /// for its task: where it may run (a fault domain other than the task's) and the FIFO that
+    /// releases it. Answered with `Standby`.
     StandbyPrepare {
         job_id: u32,
         step_id: u32,
         pid: u32,
+        /// Hot (absent from supervisors before 0.3) or warm.
+        #[serde(default)]
+        kind: standby::Kind,
     },
     /// The supervisor started the standby: the agent releases it when a fault hits the task, and
     /// ends the primary first (two incarnations never both own the kept state).

@@ -1,16 +1,66 @@
-//! The hot standby's side of a takeover: a standby incarnation of a task, prepared in another
-//! fault domain, waits here until the node agent releases it (a fault hit its task). The agent
-//! opens the standby's FIFO and writes one byte; nothing else is said on it.
+//! The standby's side of a takeover: a standby incarnation of a task, prepared in another fault
+//! domain, waits here until the node agent releases it (a fault hit its task). The agent opens the
+//! standby's FIFO and writes one byte; nothing else is said on it.
+//!
+//! Two kinds. A **hot** standby (`MPSR_ROLE=standby`) prepares everything, its CUDA context and
+//! warm-up included, and waits in `ready()`: it computes ~20 ms after a fault, and holds a CUDA
+//! context (GPU memory, and a later driver report of every SM fault on that GPU) while it waits.
+//! A **warm** standby (`MPSR_ROLE=warm`) waits in `before_cuda()`, before the application's first
+//! CUDA call (its imports and host set-up done): no CUDA context, no GPU memory; released, it
+//! creates its context and attaches its kept state.
 
 use std::io::Read;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-/// `primary` or `standby`: which incarnation of the task this process is (set by `mpsr-run`).
+/// `primary`, `standby` (hot) or `warm`: which incarnation of the task this process is (set by
+/// `mpsr-run`).
 pub const ROLE_ENV: &str = "MPSR_ROLE";
 /// The FIFO a standby waits on (set by `mpsr-run` for the standby only).
 pub const FIFO_ENV: &str = "MPSR_STANDBY_FIFO";
-/// Set by the plugin (`--mps-standby`): `mpsr-run` keeps a hot standby of its task.
+/// Set by the plugin (`--mps-standby[=KIND]`): `mpsr-run` keeps a standby of its task; `1` or
+/// `hot` a hot one, `warm` a warm one.
 pub const WANTED_ENV: &str = "MPSR_STANDBY";
+
+/// Which standby a task keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Prepared up to its first computation, CUDA context included.
+    #[default]
+    Hot,
+    /// Prepared up to its first CUDA call: no CUDA context while it waits.
+    Warm,
+}
+
+impl Kind {
+    /// `MPSR_STANDBY`'s value (`1` is what releases before 0.3 set for a hot one).
+    pub fn from_env_value(v: &str) -> Option<Kind> {
+        match v {
+            "1" | "hot" => Some(Kind::Hot),
+            "warm" => Some(Kind::Warm),
+            _ => None,
+        }
+    }
+
+    /// `MPSR_ROLE` of a standby of this kind.
+    pub fn role(self) -> &'static str {
+        match self {
+            Kind::Hot => "standby",
+            Kind::Warm => "warm",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Hot => "hot",
+            Kind::Warm => "warm",
+        }
+    }
+}
+
+/// Set once this process, a standby, was released: it is the task's process now.
+static TOOK_OVER: AtomicBool = AtomicBool::new(false);
 
 /// What `ready` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,20 +71,35 @@ pub enum Ready {
     TookOver,
 }
 
-/// Returns at once in a primary; in a standby (`MPSR_ROLE=standby`), blocks until the agent
-/// releases it. An error means the standby cannot wait (no FIFO): it should exit.
+/// Returns at once in a primary or a warm standby; in a hot standby (`MPSR_ROLE=standby`), blocks
+/// until the agent releases it. `TookOver` in a standby that was released (here or in
+/// `before_cuda`). An error means the standby cannot wait (no FIFO): it should exit.
 pub fn ready() -> std::io::Result<Ready> {
-    if std::env::var(ROLE_ENV).as_deref() != Ok("standby") {
-        return Ok(Ready::Primary);
+    wait_if(Kind::Hot)
+}
+
+/// Call before the first CUDA call. Returns at once in a primary or a hot standby; in a warm
+/// standby (`MPSR_ROLE=warm`), blocks until the agent releases it. As `ready`.
+pub fn before_cuda() -> std::io::Result<Ready> {
+    wait_if(Kind::Warm)
+}
+
+fn wait_if(kind: Kind) -> std::io::Result<Ready> {
+    if std::env::var(ROLE_ENV).as_deref() == Ok(kind.role()) && !TOOK_OVER.load(Ordering::SeqCst) {
+        let fifo = std::env::var_os(FIFO_ENV).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{ROLE_ENV}={} without {FIFO_ENV}", kind.role()),
+            )
+        })?;
+        wait_release(Path::new(&fifo))?;
+        TOOK_OVER.store(true, Ordering::SeqCst);
     }
-    let fifo = std::env::var_os(FIFO_ENV).ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!("{ROLE_ENV}=standby without {FIFO_ENV}"),
-        )
-    })?;
-    wait_release(Path::new(&fifo))?;
-    Ok(Ready::TookOver)
+    Ok(if TOOK_OVER.load(Ordering::SeqCst) {
+        Ready::TookOver
+    } else {
+        Ready::Primary
+    })
 }
 
 /// Blocks until one byte is written to the FIFO. Opening it for reading registers this process

@@ -1,10 +1,11 @@
 //! The plugin's options: one table, one callback, values parsed and validated here.
 //!
 //! `--mps-resilient[=MODE]`, `--mps-threads=PCT`, `--mps-mem=SIZE`, `--mps-isolation=KIND`,
-//! `--mps-standby`. Bad values are refused in
+//! `--mps-standby[=KIND]`. Bad values are refused in
 //! srun/sbatch (the callback returns -1, so the command exits non-zero with the message).
 
 use crate::sys::{ffi, OptionEntry};
+use mpsr_proto::standby::Kind as StandbyKind;
 use mpsr_proto::{Isolation, Mode};
 use std::os::raw::{c_char, c_int};
 use std::sync::Mutex;
@@ -50,9 +51,9 @@ pub static OPTIONS: [OptionEntry; 5] = [
     ),
     OptionEntry::new(
         c"mps-standby",
-        None,
-        c"[mps-resilient] with --mps-resilient=resume: keep a hot standby of each task in another MPS server (mpsr-run starts it; the application waits in mpsr_state_ready()). When a GPU fault hits the task, the standby takes over at once instead of a restart. Costs the GPU memory of a second CUDA context per task.",
-        0,
+        Some(c"KIND"),
+        c"[mps-resilient] with --mps-resilient=resume: keep a standby of each task that takes over when a GPU fault hits it, instead of a restart (mpsr-run starts it). KIND hot (default): prepared up to its first computation in another MPS server, waiting in mpsr_state_ready(); back ~20 ms after a fault; costs the GPU memory of a second CUDA context per task. warm: prepared up to its first CUDA call, waiting in mpsr_state_before_cuda(); no GPU memory; back after its CUDA set-up (~0.2-0.3 s).",
+        2,
         OPT_STANDBY,
         Some(option_cb),
     ),
@@ -66,8 +67,8 @@ pub struct OptValues {
     pub threads: Option<u8>,
     pub mem: Option<u64>,
     pub isolation: Option<Isolation>,
-    /// `--mps-standby`: a hot standby per task (resume mode).
-    pub standby: bool,
+    /// `--mps-standby[=KIND]`: a standby per task (resume mode).
+    pub standby: Option<StandbyKind>,
 }
 
 impl OptValues {
@@ -85,13 +86,13 @@ impl OptValues {
             && (self.threads.is_some()
                 || self.mem.is_some()
                 || self.isolation.is_some()
-                || self.standby)
+                || self.standby.is_some())
         {
             return Err(
                 "--mps-threads/--mps-mem/--mps-isolation/--mps-standby need --mps-resilient".into(),
             );
         }
-        if self.standby && matches!(self.mode, Some(Some(m)) if m != Mode::Resume) {
+        if self.standby.is_some() && matches!(self.mode, Some(Some(m)) if m != Mode::Resume) {
             return Err(
                 "--mps-standby needs --mps-resilient=resume (a standby takes over in place)".into(),
             );
@@ -120,10 +121,27 @@ impl OptValues {
             OPT_THREADS => self.threads = Some(parse_threads(arg.unwrap_or(""))?),
             OPT_MEM => self.mem = Some(parse_mem(arg.unwrap_or(""))?),
             OPT_ISOLATION => self.isolation = Some(parse_isolation(arg.unwrap_or(""))?),
-            OPT_STANDBY => self.standby = true,
+            OPT_STANDBY => {
+                let k = match arg {
+                    None | Some("") | Some("(null)") => StandbyKind::Hot,
+                    Some(a) => parse_standby(a)?,
+                };
+                if self.standby.is_some_and(|prev| prev != k) {
+                    return Err("--mps-standby given twice with different kinds".into());
+                }
+                self.standby = Some(k);
+            }
             other => return Err(format!("unknown option index {other}")),
         }
         Ok(())
+    }
+}
+
+pub fn parse_standby(s: &str) -> Result<StandbyKind, String> {
+    match s.trim() {
+        "hot" => Ok(StandbyKind::Hot),
+        "warm" => Ok(StandbyKind::Warm),
+        _ => Err(format!("--mps-standby={s}: expected hot or warm")),
     }
 }
 
@@ -157,7 +175,7 @@ pub static SEEN: Mutex<OptValues> = Mutex::new(OptValues {
     threads: None,
     mem: None,
     isolation: None,
-    standby: false,
+    standby: None,
 });
 
 pub fn seen() -> OptValues {
@@ -233,7 +251,23 @@ mod tests {
         let mut v = OptValues::default();
         v.apply(OPT_MODE, Some("resume")).unwrap();
         v.apply(OPT_STANDBY, None).unwrap();
-        assert!(v.check().is_ok() && v.standby);
+        assert!(v.check().is_ok() && v.standby == Some(StandbyKind::Hot));
+        let mut v = OptValues::default();
+        v.apply(OPT_MODE, Some("resume")).unwrap();
+        v.apply(OPT_STANDBY, Some("warm")).unwrap();
+        assert_eq!(v.standby, Some(StandbyKind::Warm));
+        assert!(
+            v.apply(OPT_STANDBY, Some("hot")).is_err(),
+            "conflicting repeat"
+        );
+        assert!(
+            v.apply(OPT_STANDBY, Some("warm")).is_ok(),
+            "the same repeat"
+        );
+        assert!(v
+            .apply(OPT_STANDBY, Some("cold"))
+            .unwrap_err()
+            .contains("hot or warm"));
         // The admin's default mode is checked on the node (a warning there, not a refusal).
         let mut v = OptValues::default();
         v.apply(OPT_MODE, None).unwrap();

@@ -36,8 +36,8 @@ struct Protected {
     threads: Option<u8>,
     mem: Option<u64>,
     isolation: Option<Isolation>,
-    /// `--mps-standby` (resume mode): mpsr-run keeps a hot standby of each task.
-    standby: bool,
+    /// `--mps-standby[=KIND]` (resume mode): mpsr-run keeps a standby of each task.
+    standby: Option<mpsr_proto::standby::Kind>,
 }
 
 #[derive(Debug, Default)]
@@ -203,9 +203,9 @@ pub fn user_init(sp: Spank) {
         }),
         mem: opts.mem,
         isolation: opts.isolation.or(cfg_isolation),
-        standby: opts.standby && mode == Mode::Resume,
+        standby: opts.standby.filter(|_| mode == Mode::Resume),
     });
-    if opts.standby && mode != Mode::Resume {
+    if opts.standby.is_some() && mode != Mode::Resume {
         st.warning = Some(format!(
             "note: --mps-standby works in resume mode only; this job's mode is {mode}: no standby"
         ));
@@ -289,8 +289,15 @@ pub fn task_init_privileged(sp: Spank) {
     if let Some(k) = &ctx.keeper_socket {
         env.push(("MPSR_KEEPER_SOCKET", k.clone()));
     }
-    if p.standby {
-        env.push((mpsr_proto::standby::WANTED_ENV, "1".to_string()));
+    match p.standby {
+        // "1": what mpsr-run of 0.2 reads as a hot standby (a job may run an older one).
+        Some(mpsr_proto::standby::Kind::Hot) => {
+            env.push((mpsr_proto::standby::WANTED_ENV, "1".to_string()))
+        }
+        Some(mpsr_proto::standby::Kind::Warm) => {
+            env.push((mpsr_proto::standby::WANTED_ENV, "warm".to_string()))
+        }
+        None => {}
     }
     if let Some(t) = p.threads {
         env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", t.to_string()));

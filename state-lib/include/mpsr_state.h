@@ -45,6 +45,16 @@ int mpsr_state_release(const char *name);
  * memory as the fault left it: a write the fault interrupted may be half done (use read-only
  * state, or write a generation counter last and check it after the takeover). */
 int mpsr_state_ready(void);
+/* Warm standby (--mps-standby=warm): returns 0 at once in the task's primary process (and in a
+ * hot standby). In a warm standby (the same program, started by mpsr-run beside the task) it
+ * blocks until a GPU fault hits the task, then returns 1: the standby is the task from then on.
+ * Call it after what needs no GPU (imports, reading input, parsing) and BEFORE the first CUDA call
+ * (cudaSetDevice, cudaMalloc, a kernel, mpsr_state_attach): a warm standby holds no CUDA context,
+ * so it costs no GPU memory and does not delay the driver's fault reports. Released, it creates
+ * its context and attaches the kept state. Negative on error (it should exit). A program may call
+ * both: mpsr_state_before_cuda() before CUDA, mpsr_state_ready() after its warm-up; each standby
+ * waits in its own, and after a takeover both return 1. */
+int mpsr_state_before_cuda(void);
 /* Step time: call once at the end of every step of the application's loop (a training
  * iteration, a decode step, a served batch); the first call starts the clock. The agent reads the
  * step times each telemetry round: per-rank step-time skew against the job's other ranks, latency

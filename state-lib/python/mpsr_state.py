@@ -40,6 +40,8 @@ def _load():
         lib.mpsr_state_last_error.restype = ctypes.c_char_p
         lib.mpsr_state_ready.argtypes = []
         lib.mpsr_state_ready.restype = ctypes.c_int
+        lib.mpsr_state_before_cuda.argtypes = []
+        lib.mpsr_state_before_cuda.restype = ctypes.c_int
         lib.mpsr_step.argtypes = []
         lib.mpsr_step.restype = ctypes.c_int
         lib.mpsr_step_idle.argtypes = []
@@ -67,6 +69,17 @@ def ready():
     until a GPU fault hits the task and returns "takeover". Call it after the warm-up (imports,
     model built, kept state attached, one forward pass)."""
     rc = _load().mpsr_state_ready()
+    if rc < 0:
+        _check(rc)
+    return "takeover" if rc == 1 else "primary"
+
+
+def before_cuda():
+    """Warm standby: returns "primary" at once in the task's primary process (and in a hot
+    standby); in a warm standby, blocks until a GPU fault hits the task and returns "takeover".
+    Call it after the imports (`import torch` creates no CUDA context) and before anything touches
+    the GPU (`torch.cuda`, `.cuda()`, `attach`): the standby then holds no GPU memory."""
+    rc = _load().mpsr_state_before_cuda()
     if rc < 0:
         _check(rc)
     return "takeover" if rc == 1 else "primary"

@@ -414,7 +414,18 @@ pub unsafe extern "C" fn mpsr_state_release(name: *const c_char) -> c_int {
 /// See mpsr_state.h: 0 in a primary (at once), 1 in a standby once it took over, or an error.
 #[no_mangle]
 pub extern "C" fn mpsr_state_ready() -> c_int {
-    let r = std::panic::catch_unwind(mpsr_proto::standby::ready);
+    standby_wait(mpsr_proto::standby::ready)
+}
+
+/// See mpsr_state.h: 0 in a primary or a hot standby (at once), 1 in a warm standby once it took
+/// over, or an error.
+#[no_mangle]
+pub extern "C" fn mpsr_state_before_cuda() -> c_int {
+    standby_wait(mpsr_proto::standby::before_cuda)
+}
+
+fn standby_wait(wait: fn() -> std::io::Result<mpsr_proto::standby::Ready>) -> c_int {
+    let r = std::panic::catch_unwind(wait);
     match r {
         Ok(Ok(mpsr_proto::standby::Ready::Primary)) => 0,
         Ok(Ok(mpsr_proto::standby::Ready::TookOver)) => 1,

@@ -6,11 +6,14 @@
 //! Slurm); a culprit, a lost GPU, or a failure the agent knows nothing of ends the task with the
 //! child's status. Signals are forwarded to the child and stop further restarts.
 //!
-//! With a hot standby (`--mps-standby`: MPSR_STANDBY=1), it also runs a second incarnation of the
-//! command in another fault domain (MPSR_ROLE=standby), which prepares itself and waits in
-//! `mpsr_state_ready()`; when a fault hits the task, the agent ends the primary and releases the
-//! standby, which becomes the task's process (no restart, no wait for the server's recovery).
+//! With a standby (`--mps-standby[=hot|warm]`: MPSR_STANDBY=1 or warm), it also runs a second
+//! incarnation of the command for another fault domain, which prepares itself and waits: a hot one
+//! (MPSR_ROLE=standby) in `mpsr_state_ready()` with its CUDA context made, a warm one
+//! (MPSR_ROLE=warm) in `mpsr_state_before_cuda()` with none. When a fault hits the task, the agent
+//! ends the primary and releases the standby, which becomes the task's process (no restart, no wait
+//! for the server's recovery).
 
+use mpsr_proto::standby::Kind;
 use mpsr_proto::{standby, Client, Request, Response, ResumeVerdict, BATCH_STEP};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode};
@@ -30,7 +33,8 @@ struct Opts {
     /// Restarts at most this many times.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=1000))]
     max_restarts: u32,
-    /// Wait before the first restart (doubled for each further one, up to 64 times).
+    /// Wait before the second restart (doubled for each further one, up to 64 times). The first
+    /// restart after a fault goes as soon as the agent says the GPU is ready.
     #[arg(long = "backoff-ms", value_name = "MS", default_value = "100", value_parser = millis)]
     backoff: Duration,
     /// How long an abnormal exit waits for the agent to attribute it to a fault.
@@ -84,7 +88,7 @@ fn task_from_env() -> Option<TaskId> {
 }
 
 static CHILD: AtomicI32 = AtomicI32::new(0);
-/// The hot standby, if any: termination signals reach it too.
+/// The standby, if any: termination signals reach it too.
 static STANDBY: AtomicI32 = AtomicI32::new(0);
 static STOPPING: AtomicI32 = AtomicI32::new(0);
 
@@ -142,6 +146,9 @@ fn agent() -> Client {
     Client::new(&socket, Duration::from_secs(2))
 }
 
+/// How long the agent may hold a "wait" verdict (it answers the moment the GPU is ready).
+const HOLD: Duration = Duration::from_millis(1000);
+
 /// Asks the agent what to do about this task's failed child.
 fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
     let client = agent();
@@ -149,10 +156,12 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
         job_id: t.job,
         step_id: t.step,
         pid: std::process::id(),
+        wait_ms: HOLD.as_millis() as u32,
     };
     let settle_until = Instant::now() + o.settle;
     let wait_until = Instant::now() + o.wait;
     loop {
+        let asked = Instant::now();
         match client.call(&req) {
             Ok(Response::Resume { verdict, reason }) => match verdict {
                 ResumeVerdict::Restart | ResumeVerdict::Fail | ResumeVerdict::TakenOver => {
@@ -168,6 +177,9 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
                         format!("GPU not ready after {} s: {reason}", o.wait.as_secs()),
                     )
                 }
+                // The agent held the answer until it changed or its bound passed: ask again at
+                // once (an agent before 0.3 answers at once: poll then).
+                ResumeVerdict::Wait if asked.elapsed() >= HOLD / 2 => continue,
                 _ => {}
             },
             Ok(Response::Error { message, .. }) => {
@@ -208,14 +220,21 @@ fn spawn(o: &Opts, restarts: u32, env: &[(&str, String)]) -> std::io::Result<u32
     cmd.spawn().map(|c| c.id())
 }
 
-/// Starts a hot standby of the command in the fault domain the agent gives it, and arms it.
-fn start_standby(o: &Opts, t: TaskId, restarts: u32, primary: u32) -> Result<u32, String> {
+/// Starts a standby of the command for the fault domain the agent gives it, and arms it.
+fn start_standby(
+    o: &Opts,
+    t: TaskId,
+    kind: Kind,
+    restarts: u32,
+    primary: u32,
+) -> Result<u32, String> {
     let c = agent();
     let me = std::process::id();
     let (ctx, fifo, mem) = match c.call(&Request::StandbyPrepare {
         job_id: t.job,
         step_id: t.step,
         pid: me,
+        kind,
     }) {
         Ok(Response::Standby {
             context,
@@ -230,7 +249,7 @@ fn start_standby(o: &Opts, t: TaskId, restarts: u32, primary: u32) -> Result<u32
         ("CUDA_MPS_PIPE_DIRECTORY", ctx.pipe_dir.clone()),
         ("CUDA_MPS_LOG_DIRECTORY", ctx.log_dir.clone()),
         ("MPSR_DOMAIN", ctx.domain.to_string()),
-        (standby::ROLE_ENV, "standby".to_string()),
+        (standby::ROLE_ENV, kind.role().to_string()),
         (standby::FIFO_ENV, fifo),
     ];
     if let Some(bytes) = mem {
@@ -300,9 +319,14 @@ fn main() -> ExitCode {
     if task.is_none() {
         eprintln!("mpsr-run: not inside a Slurm job (no SLURM_JOB_ID): running without resume");
     }
-    // `--mps-standby` (the plugin sets MPSR_STANDBY=1): keep a hot standby of the command.
-    let mut standby_wanted =
-        task.is_some() && std::env::var(standby::WANTED_ENV).as_deref() == Ok("1");
+    // `--mps-standby[=KIND]` (the plugin sets MPSR_STANDBY=1 or warm): keep a standby of the
+    // command.
+    let kind = std::env::var(standby::WANTED_ENV)
+        .ok()
+        .and_then(|v| Kind::from_env_value(&v))
+        .unwrap_or_default();
+    let mut standby_wanted = task.is_some()
+        && std::env::var(standby::WANTED_ENV).is_ok_and(|v| Kind::from_env_value(&v).is_some());
     forward_signals();
     let mut restarts = 0u32;
     let mut primary: Option<u32> = None;
@@ -329,11 +353,12 @@ fn main() -> ExitCode {
         CHILD.store(p as i32, Ordering::SeqCst);
         if let (true, None, Some(t)) = (standby_wanted, standby, task) {
             if Instant::now() >= standby_due {
-                match start_standby(&o, t, restarts, p) {
+                match start_standby(&o, t, kind, restarts, p) {
                     Ok(s) => standby = Some(s),
                     Err(e) => {
                         eprintln!(
-                            "mpsr-run: no hot standby ({e}); a fault restarts the task instead"
+                            "mpsr-run: no {} standby ({e}); a fault restarts the task instead",
+                            kind.name()
                         );
                         standby_wanted = false;
                     }
@@ -354,7 +379,8 @@ fn main() -> ExitCode {
             Ok(Some((pid, st))) => {
                 if Some(pid) == standby {
                     eprintln!(
-                        "mpsr-run: the hot standby (pid {pid}) ended before any fault (status {}); a fault restarts the task instead",
+                        "mpsr-run: the {} standby (pid {pid}) ended before any fault (status {}); a fault restarts the task instead",
+                        kind.name(),
                         exit_code(st)
                     );
                     standby = None;
@@ -391,13 +417,19 @@ fn main() -> ExitCode {
                 primary = standby.take();
                 standby_due = Instant::now() + o.standby_delay;
                 eprintln!(
-                    "mpsr-run: a GPU fault hit the task ({reason}); its hot standby took over"
+                    "mpsr-run: a GPU fault hit the task ({reason}); its {} standby took over",
+                    kind.name()
                 );
             }
             ResumeVerdict::Restart if restarts < o.max_restarts => {
                 end_standby(standby.take());
                 restarts += 1;
-                let backoff = o.backoff * 2u32.saturating_pow(restarts - 1).min(64);
+                // The agent said the GPU is ready: the first restart goes at once; later ones
+                // back off (a task that faults again and again must not spin).
+                let backoff = match restarts {
+                    1 => Duration::ZERO,
+                    n => o.backoff * 2u32.saturating_pow(n - 2).min(64),
+                };
                 eprintln!(
                     "mpsr-run: child exited with status {code} after {:.1} s; {reason}; restarting in place ({restarts}/{})",
                     started.elapsed().as_secs_f64(),

@@ -57,6 +57,16 @@ fn standby_app(byte: u8) -> String {
     )
 }
 
+/// As `standby_app`, for a warm standby: it waits before its first CUDA call (the attach), holding
+/// no context, and attaches the kept state once released.
+fn warm_standby_app(byte: u8) -> String {
+    format!(
+        "if [ \"$MPSR_ROLE\" = warm ]; then mpsr-statetool model 4M --before-cuda --verify {byte} || exit 1; \
+         else mpsr-statetool model 4M --fill {byte} || exit 1; fi; \
+         MPSR_ROLE=primary exec mpsr-simclient --seconds $([ \"$MPSR_ROLE\" = warm ] && echo 5 || echo 120)"
+    )
+}
+
 /// A protected batch job on n1's GPU 0 (as nobody), running and registered with the agent; its
 /// client runs `first_s` seconds on the first run, 1 s on a later one.
 fn protected_batch_job(c: &Cluster, first_s: u32) -> u32 {
@@ -1141,6 +1151,82 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
         (c.job_field(neighbour, "Restarts") == "1").then_some(())
     })
     .unwrap();
+    assert!(not_drained(&c, "n1"));
+}
+
+/// `--mps-standby=warm`: the standby waits before its first CUDA call, a client of no MPS server
+/// (no GPU memory); a fault of the task's server releases it, it attaches the kept state and the
+/// task completes without a restart; Slurm's view of the job says so.
+#[test]
+fn a_warm_standby_takes_over_a_hit_srun_task() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let out = c.jobs().join("srun-warm.out");
+    let app = warm_standby_app(7);
+    let mut srun = c
+        .spawn_as(
+            "nobody",
+            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume --mps-standby=warm mpsr-run -- sh -c '{app}'"),
+            &out,
+        )
+        .unwrap();
+    let job = wait_for("srun job registered", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        s.tasks.first().map(|t| t.job_id)
+    })
+    .unwrap();
+    let gpu = c.agent_status("n1").unwrap().tasks[0].gpus[0];
+    let standby = wait_for("the warm standby armed", SHORT, || {
+        let text = std::fs::read_to_string(&out).ok()?;
+        let s = c.agent_status("n1").ok()?;
+        let t = s.tasks.iter().find(|t| t.job_id == job)?;
+        (text.contains("origin=")).then_some(t.standby?.0)
+    })
+    .unwrap();
+    // Waiting, it is a client of no server of the GPU: no context, no GPU memory.
+    std::thread::sleep(Duration::from_millis(500));
+    let s = c.agent_status("n1").unwrap();
+    let g = s.gpus.iter().find(|g| g.gpu == gpu).unwrap();
+    assert!(
+        g.domains.iter().all(|d| !d.clients.contains(&standby)),
+        "{:?}",
+        g.domains
+    );
+    // A neighbour in the shared server: the task is then a victim of the fault, not its culprit.
+    let neighbour = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(neighbour, &["RUNNING"], SHORT).unwrap();
+    assert_eq!(c.wait_registered("n1", neighbour, 1).unwrap(), vec![gpu]);
+    wait_for("both clients busy in the shared server", SHORT, || {
+        (c.clients("n1", gpu).len() == 2).then_some(())
+    })
+    .unwrap();
+    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
+    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(status.success(), "srun failed: {text}");
+    assert!(text.contains("its warm standby took over"), "{text}");
+    assert!(!text.contains("restarting in place"), "{text}");
+    assert!(
+        text.contains("before cuda: took over")
+            && text.contains("origin=Kept")
+            && text.contains("verified model: every byte is 7"),
+        "the standby found the kept state as the primary left it: {text}"
+    );
+    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
+    assert_eq!(c.job_field(job, "Restarts"), "0");
+    wait_for("the job's fault line", SHORT, || {
+        admin_comment(&c, job)
+            .contains("its warm standby took over")
+            .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: AdminComment={}", admin_comment(&c, job)));
     assert!(not_drained(&c, "n1"));
 }
 

@@ -104,6 +104,8 @@ impl Escalation {
                 if st.recovering.remove(&domain).is_some() {
                     a.fence(&mut st, domain, fault_id, after_ms);
                 }
+                drop(st);
+                a.store.recovery_changed();
                 return;
             }
             let o = FaultOutcome::Escalated {

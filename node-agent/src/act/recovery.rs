@@ -53,9 +53,11 @@ impl Recovery {
 
     /// The health loop, until the process ends.
     pub fn run(self: Arc<Self>) {
-        // Recovering servers are watched closely (the time to ACTIVE is an outcome people read);
-        // healed GPUs are looked for every `mps.health_interval_ms`.
-        const WATCH: Duration = Duration::from_millis(50);
+        // Recovering servers are watched closely (a hit task's restart waits for ACTIVE, and the
+        // time to it is an outcome people read); healed GPUs are looked for every
+        // `mps.health_interval_ms`. Only domains that recover are asked, so the cost is bounded
+        // by the faults, not by the node.
+        const WATCH: Duration = Duration::from_millis(10);
         let health = self.health;
         let mut last_health = Instant::now();
         loop {
@@ -89,6 +91,9 @@ impl Recovery {
                     };
                     tracing::info!(%domain, fault_id, "{o}");
                     self.store.record(&mut st, fault_id, None, o);
+                    drop(st);
+                    // Supervisors waiting to restart a task of this domain go now.
+                    self.store.recovery_changed();
                 }
                 // A server holding a poisoned client may not answer at all (its control daemon
                 // blocks): Down here is that, not a dead daemon.

@@ -108,6 +108,7 @@ pub fn release_standby(store: &Store, r: Release) {
     store.record(&mut st, r.fault_id, Some(job), o);
     drop(st);
     store.mark_dirty();
+    store.recovery_changed();
 }
 
 /// The task runs in its standby's domain now: its next fault is that domain's. This fault's

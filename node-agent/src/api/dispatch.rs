@@ -68,13 +68,15 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             job_id,
             step_id,
             pid,
-        } => tasks::resume_query(agent, caller, (job_id, step_id, pid)),
+            wait_ms,
+        } => tasks::resume_query(agent, caller, (job_id, step_id, pid), wait_ms),
         Request::TaskOf { pid } => tasks::task_of(agent, pid),
         Request::StandbyPrepare {
             job_id,
             step_id,
             pid,
-        } => standby::prepare(agent, caller, (job_id, step_id, pid)),
+            kind,
+        } => standby::prepare(agent, caller, (job_id, step_id, pid), kind),
         Request::StandbyArm {
             job_id,
             step_id,

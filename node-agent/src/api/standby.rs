@@ -1,6 +1,6 @@
-//! The requests of a resume supervisor that keeps a hot standby of its task: where the standby may
-//! wait (a fault domain other than the task's) with the FIFO that releases it, and arming it once
-//! it runs. The release itself is the fault worker's (`fault::worker`).
+//! The requests of a resume supervisor that keeps a standby (hot or warm) of its task: where the
+//! standby may wait (a fault domain other than the task's) with the FIFO that releases it, and
+//! arming it once it runs. The release itself is the fault worker's (`fault::worker`).
 
 use super::caller::{denied, Caller};
 use super::tasks::context;
@@ -9,6 +9,7 @@ use crate::domain::Placement;
 use crate::store::registry::{Task, TaskKey};
 use crate::store::state::{Armed, Standby};
 use crate::sys::procfs;
+use mpsr_proto::standby::Kind;
 use mpsr_proto::{ErrorCode, Isolation, Mode, Response};
 use std::path::PathBuf;
 
@@ -50,7 +51,7 @@ fn fifo_dir(agent: &Agent) -> PathBuf {
     agent.cfg.run_dir.join("standby")
 }
 
-pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
+pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey, kind: Kind) -> Response {
     let t = match own_task(agent, caller, key) {
         Ok(t) => t,
         Err(e) => return denied(e.to_string()),
@@ -68,23 +69,21 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
         return Response::error(ErrorCode::BadRequest, "the task uses no GPU");
     };
     let task = (t.job_id, t.step_id, t.pid);
-    let limit = agent.cfg.standby.max_per_gpu as usize;
-    let on_gpu = {
+    let refused = {
         let mut st = agent.store.lock();
         // A task has one standby: a new one replaces the last (its supervisor started again).
         let old = st.durable.drop_standbys(|s| s.task == task);
         crate::store::state::remove_fifos(&old);
-        st.durable
-            .standbys
-            .iter()
-            .filter(|s| s.domain.gpu == gpu)
-            .count()
+        over_limit(
+            &agent.cfg.standby,
+            &st.durable.standbys,
+            gpu,
+            kind,
+            rss_bytes,
+        )
     };
-    if on_gpu >= limit {
-        return Response::error(
-            ErrorCode::Refused,
-            format!("gpu{gpu} already has {on_gpu} standbys (standby.max_per_gpu = {limit})"),
-        );
+    if let Some(why) = refused {
+        return Response::error(ErrorCode::Refused, why);
     }
     let of = t
         .domain_on(gpu)
@@ -107,9 +106,10 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey) -> Response {
         domain,
         fifo: fifo.clone(),
         armed: None,
+        kind,
     });
     agent.store.mark_dirty();
-    tracing::info!(job = t.job_id, step = t.step_id, pid = t.pid, %domain, "standby prepared");
+    tracing::info!(job = t.job_id, step = t.step_id, pid = t.pid, %domain, kind = kind.name(), "standby prepared");
     let mut ctx = context(
         agent,
         &Placement {
@@ -167,6 +167,55 @@ pub fn arm(
     Response::Ok
 }
 
+/// Why one more standby of `kind` on `gpu` is refused, if it is: hot ones by count (each holds a
+/// CUDA context), warm ones by count and by the host memory the node's waiting warm standbys hold
+/// (`rss` reads a process's resident bytes).
+fn over_limit(
+    cfg: &crate::config::StandbyConfig,
+    standbys: &[Standby],
+    gpu: u32,
+    kind: Kind,
+    rss: impl Fn(u32) -> u64,
+) -> Option<String> {
+    let on_gpu = standbys
+        .iter()
+        .filter(|s| s.domain.gpu == gpu && s.kind == kind)
+        .count();
+    let (limit, key) = match kind {
+        Kind::Hot => (cfg.max_per_gpu, "standby.max_per_gpu"),
+        Kind::Warm => (cfg.warm_max_per_gpu, "standby.warm_max_per_gpu"),
+    };
+    if on_gpu >= limit as usize {
+        return Some(format!(
+            "gpu{gpu} already has {on_gpu} {} standbys ({key} = {limit})",
+            kind.name()
+        ));
+    }
+    let cap = crate::config::parse_size(&cfg.warm_host_memory).filter(|_| kind == Kind::Warm)?;
+    let held: u64 = standbys
+        .iter()
+        .filter(|s| s.kind == Kind::Warm && s.pid() != 0)
+        .map(|s| rss(s.pid()))
+        .sum();
+    (held >= cap).then(|| {
+        format!(
+            "the node's warm standbys hold {} MiB of host memory (standby.warm_host_memory = {})",
+            held >> 20,
+            cfg.warm_host_memory
+        )
+    })
+}
+
+/// A process's resident memory in bytes (0 when it is gone).
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
 fn make_fifo(dir: &std::path::Path, fifo: &std::path::Path, uid: u32) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::PermissionsExt;
@@ -187,4 +236,59 @@ fn make_fifo(dir: &std::path::Path, fifo: &std::path::Path, uid: u32) -> std::io
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::state::Armed;
+    use mpsr_proto::DomainId;
+
+    fn sb(gpu: u32, pid: u32, kind: Kind) -> Standby {
+        Standby {
+            task: (pid, 0, pid),
+            uid: 1000,
+            domain: DomainId { gpu, slot: 3 },
+            fifo: "/run/x".into(),
+            armed: Some(Armed {
+                primary: (pid + 1, None),
+                standby: (pid, None),
+            }),
+            kind,
+        }
+    }
+
+    /// Hot and warm standbys are counted apart; warm ones are capped by the host memory the
+    /// node's waiting ones hold, hot ones are not.
+    #[test]
+    fn hot_and_warm_standbys_have_their_own_limits() {
+        let cfg = crate::config::StandbyConfig {
+            max_per_gpu: 1,
+            warm_max_per_gpu: 2,
+            warm_host_memory: "1G".into(),
+            ..Default::default()
+        };
+        let half_gib = |_| 512 << 20;
+        let none: Vec<Standby> = Vec::new();
+        assert_eq!(over_limit(&cfg, &none, 0, Kind::Hot, half_gib), None);
+        let one_hot = vec![sb(0, 10, Kind::Hot)];
+        assert!(over_limit(&cfg, &one_hot, 0, Kind::Hot, half_gib)
+            .unwrap()
+            .contains("standby.max_per_gpu = 1"));
+        assert_eq!(over_limit(&cfg, &one_hot, 1, Kind::Hot, half_gib), None);
+        assert_eq!(over_limit(&cfg, &one_hot, 0, Kind::Warm, half_gib), None);
+        let warm = vec![sb(0, 10, Kind::Warm), sb(1, 11, Kind::Hot)];
+        assert_eq!(over_limit(&cfg, &warm, 1, Kind::Warm, half_gib), None);
+        // Two warm ones of 0.5 GiB hold the node's 1 GiB: a third is refused on any GPU.
+        let two = vec![sb(0, 10, Kind::Warm), sb(1, 12, Kind::Warm)];
+        assert!(over_limit(&cfg, &two, 2, Kind::Warm, half_gib)
+            .unwrap()
+            .contains("standby.warm_host_memory = 1G"));
+        let two_on_gpu0 = vec![sb(0, 10, Kind::Warm), sb(0, 12, Kind::Warm)];
+        assert!(over_limit(&cfg, &two_on_gpu0, 0, Kind::Warm, |_| 1)
+            .unwrap()
+            .contains("standby.warm_max_per_gpu = 2"));
+        // Hot standbys are not capped by host memory.
+        assert_eq!(over_limit(&cfg, &two, 2, Kind::Hot, half_gib), None);
+    }
 }

@@ -8,6 +8,7 @@ use crate::domain::{paths, Placement};
 use crate::store::registry::TaskKey;
 use crate::sys::procfs;
 use mpsr_proto::{DomainId, ErrorCode, GpuContext, Isolation, Response};
+use std::time::{Duration, Instant};
 
 pub fn hello(agent: &Agent, caller: Caller, version: u32) -> Response {
     let peer = caller.peer;
@@ -117,8 +118,18 @@ pub(super) fn context(agent: &Agent, p: &Placement) -> GpuContext {
     }
 }
 
+/// The longest a verdict to wait for is held (the supervisor's call times out after 2 s).
+const MAX_HOLD_MS: u32 = 1000;
+/// How often a held verdict is looked at again without a change being signalled.
+const RECHECK: Duration = Duration::from_millis(50);
+
 /// The asker is the registered task or runs under it (mpsr-run started by a wrapper).
-pub fn resume_query(agent: &Agent, caller: Caller, (job_id, step_id, pid): TaskKey) -> Response {
+pub fn resume_query(
+    agent: &Agent,
+    caller: Caller,
+    (job_id, step_id, pid): TaskKey,
+    wait_ms: u32,
+) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let task = {
         let st = agent.store.lock();
@@ -152,8 +163,19 @@ pub fn resume_query(agent: &Agent, caller: Caller, (job_id, step_id, pid): TaskK
             peer.uid
         ));
     }
-    let (verdict, reason) = agent.recovery.resume_verdict((t.job_id, t.step_id, t.pid));
-    Response::Resume { verdict, reason }
+    // A verdict to wait for is held (bounded) and answered the moment the recovery changes.
+    let until = Instant::now() + Duration::from_millis(u64::from(wait_ms.min(MAX_HOLD_MS)));
+    loop {
+        let seen = agent.store.recovery_seen();
+        let (verdict, reason) = agent.recovery.resume_verdict((t.job_id, t.step_id, t.pid));
+        let left = until.saturating_duration_since(Instant::now());
+        if verdict != mpsr_proto::ResumeVerdict::Wait || left.is_zero() {
+            return Response::Resume { verdict, reason };
+        }
+        // Woken by the change; the slice bounds what a missed one (a backend that recovered
+        // without the health loop seeing it yet) costs.
+        agent.store.wait_recovery(seen, left.min(RECHECK));
+    }
 }
 
 pub fn task_of(agent: &Agent, pid: u32) -> Response {

@@ -253,12 +253,17 @@ fn apply(
         }
     }
     for &job in &dec.hit {
-        let released = st.durable.resume.get_job_takeover(job, ev.id).is_some();
+        let released = st.durable.resume.job_takeover_kind(job, ev.id);
         let line = fault_line(ctx, ev, dec, job, released);
         annotate(st, ctx, ev, dec, job, line);
     }
     for d in watch_servers(st, ctx, ev, dec) {
-        for sb in st.durable.drop_standbys(|s| s.domain == d) {
+        // A hot standby there holds a context of the faulted server; a warm one holds none and
+        // is not touched by the fault.
+        for sb in st
+            .durable
+            .drop_standbys(|s| s.domain == d && s.kind == mpsr_proto::standby::Kind::Hot)
+        {
             effects.push(Effect::EndStandby(sb));
         }
     }
@@ -323,13 +328,18 @@ fn resume(
         .then(|| take_armed_standby(&mut st.durable, k))
         .flatten();
     let line = match &standby {
-        Some(sb) => format!("standby pid {} released to take over", sb.pid()),
+        Some(sb) => format!(
+            "{} standby pid {} released to take over",
+            sb.kind.name(),
+            sb.pid()
+        ),
         None => "resume in place handed over".to_string(),
     };
     hand_to_resume_board(&mut st.durable, ev, k, hit.slot_of(k), None, line);
     let sb = standby?;
     if let Some(e) = st.durable.resume.get_mut(k) {
         e.takeover = Some(Takeover::Releasing(sb.pid()));
+        e.standby_kind = sb.kind;
     }
     Some(Effect::Release(Release {
         fault_id: ev.id,
@@ -533,7 +543,13 @@ fn annotate(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job_id: 
 }
 
 /// The job's line in Slurm's own views: the fault, the job's part in it, what was done.
-fn fault_line(ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job: u32, released: bool) -> String {
+fn fault_line(
+    ctx: &Ctx,
+    ev: &FaultEvent,
+    dec: &Decision,
+    job: u32,
+    released: Option<mpsr_proto::standby::Kind>,
+) -> String {
     let xids: Vec<String> = ev.xids.iter().map(|x| x.to_string()).collect();
     let part = match dec.culprit {
         Some((j, _)) if j == job => "culprit",
@@ -544,14 +560,10 @@ fn fault_line(ctx: &Ctx, ev: &FaultEvent, dec: &Decision, job: u32, released: bo
         .iter()
         .filter_map(|a| match a {
             Action::Requeue { job_id } if *job_id == job => Some("requeued".to_string()),
-            Action::Resume { job_id, .. } if *job_id == job => Some(
-                if released {
-                    "its hot standby took over"
-                } else {
-                    "restarted in place"
-                }
-                .to_string(),
-            ),
+            Action::Resume { job_id, .. } if *job_id == job => Some(match released {
+                Some(k) => format!("its {} standby took over", k.name()),
+                None => "restarted in place".to_string(),
+            }),
             Action::FailTask { job_id, .. } if *job_id == job => {
                 Some("ended, not restarted".to_string())
             }
@@ -601,11 +613,13 @@ fn hand_to_resume_board(
 ) {
     // A re-decision of the same fault keeps where the task's standby takeover stands, and a
     // verdict its supervisor already had.
-    let (takeover, consumed) = d
+    let (takeover, standby_kind, consumed) = d
         .resume
         .get((job_id, step_id, pid))
         .filter(|e| e.fault_id == ev.id)
-        .map_or((None, false), |e| (e.takeover, e.consumed));
+        .map_or((None, Default::default(), false), |e| {
+            (e.takeover, e.standby_kind, e.consumed)
+        });
     d.resume.insert(
         (job_id, step_id, pid),
         ResumeEntry {
@@ -614,6 +628,7 @@ fn hand_to_resume_board(
             slot,
             fail,
             takeover,
+            standby_kind,
             consumed,
         },
     );

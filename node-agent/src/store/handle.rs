@@ -17,6 +17,9 @@ pub struct Store {
     queued: Condvar,
     /// Notified when a Slurm action leaves the queue (done or failed for good).
     settled: Condvar,
+    /// Counts the changes of a hit task's lot (its server recovered, its standby released), with
+    /// the condition its waiters wait on.
+    recovery: (Mutex<u64>, Condvar),
     dir: PathBuf,
 }
 
@@ -28,6 +31,7 @@ impl Store {
             persister: Persister::new(&dir.join("registry.journal")),
             queued: Condvar::new(),
             settled: Condvar::new(),
+            recovery: (Mutex::new(0), Condvar::new()),
             dir: dir.to_path_buf(),
         }
     }
@@ -121,6 +125,28 @@ impl Store {
     /// A Slurm action left the queue: whoever waits for it goes on.
     pub fn action_settled(&self) {
         self.settled.notify_all();
+    }
+
+    /// A hit task's lot changed (a server recovered, a standby was released): resume supervisors
+    /// waiting for their verdict are answered now.
+    pub fn recovery_changed(&self) {
+        *lock(&self.recovery.0) += 1;
+        self.recovery.1.notify_all();
+    }
+
+    /// The count of those changes so far (read before looking, then `wait_recovery` on it).
+    pub fn recovery_seen(&self) -> u64 {
+        *lock(&self.recovery.0)
+    }
+
+    /// Waits until a change after `seen`, or `at_most` has passed.
+    pub fn wait_recovery(&self, seen: u64, at_most: Duration) {
+        let g = lock(&self.recovery.0);
+        let _ = self
+            .recovery
+            .1
+            .wait_timeout_while(g, at_most, |n| *n == seen)
+            .unwrap_or_else(|p| p.into_inner());
     }
 
     /// Waits until `done(state)` holds, re-checked whenever an action settles; false if `at_most`

@@ -22,10 +22,13 @@ pub struct ResumeEntry {
     pub slot: u32,
     /// Set for culprits and tasks on an unusable GPU: their supervisor is told to fail.
     pub fail: Option<String>,
-    /// The task's hot standby was released to take over (its supervisor is told so, not to
+    /// The task's standby was released to take over (its supervisor is told so, not to
     /// restart).
     #[serde(default)]
     pub takeover: Option<Takeover>,
+    /// The kind of that standby (absent before 0.3: hot).
+    #[serde(default)]
+    pub standby_kind: mpsr_proto::standby::Kind,
     /// The task's supervisor has had its verdict. Kept (not removed) so that a re-decision of the
     /// same fault (its Xid after the server's line) sees what was done and hands nothing out again.
     #[serde(default)]
@@ -54,6 +57,9 @@ pub struct Standby {
     /// The FIFO it waits on; the agent made it (root's directory, owned by `uid`).
     pub fifo: std::path::PathBuf,
     pub armed: Option<Armed>,
+    /// Hot (absent in the states of agents before 0.3) or warm.
+    #[serde(default)]
+    pub kind: mpsr_proto::standby::Kind,
 }
 
 impl Standby {
@@ -110,6 +116,15 @@ impl ResumeBoard {
             .iter()
             .filter(|((j, _, _), e)| *j == job && e.fault_id == fault_id)
             .find_map(|(_, e)| e.takeover)
+    }
+
+    /// The kind of the standby released for a task of `job` at fault `fault_id`, if one was.
+    pub fn job_takeover_kind(&self, job: u32, fault_id: u64) -> Option<mpsr_proto::standby::Kind> {
+        self.0
+            .iter()
+            .filter(|((j, _, _), e)| *j == job && e.fault_id == fault_id && e.takeover.is_some())
+            .map(|(_, e)| e.standby_kind)
+            .next()
     }
     /// Forgets every task of a job (its next run starts clean).
     pub fn remove_job(&mut self, job: u32) {
@@ -585,6 +600,7 @@ mod tests {
             slot: 1,
             fail: None,
             takeover: None,
+            standby_kind: Default::default(),
             consumed: false,
         };
         let mut b = ResumeBoard::default();

@@ -567,6 +567,11 @@ pub fn journal_fields(mut b: &[u8]) -> std::collections::BTreeMap<String, String
 /// (no restart); the job's other neighbour is requeued as usual. Returns the env, mpsr-run and
 /// its stderr file.
 pub fn standby_task(e: &Env, job: u32) -> (Proc, PathBuf) {
+    standby_task_of(e, job, "1")
+}
+
+/// As `standby_task`, with `MPSR_STANDBY` set to `kind` (`1`/`hot` or `warm`).
+pub fn standby_task_of(e: &Env, job: u32, kind: &str) -> (Proc, PathBuf) {
     let run = Path::new(env!("CARGO_BIN_EXE_mpsr-agent")).with_file_name("mpsr-run");
     let err = e.path().join(format!("mpsr-run-{job}.err"));
     // Registered (as slurmstepd does before the task execs) before mpsr-run asks for a standby.
@@ -581,7 +586,7 @@ pub fn standby_task(e: &Env, job: u32) -> (Proc, PathBuf) {
             .env("SLURM_JOB_ID", job.to_string())
             .env("SLURM_STEP_ID", "0")
             .env("MPSR_SOCKET", e.sock())
-            .env("MPSR_STANDBY", "1")
+            .env("MPSR_STANDBY", kind)
             .env("CUDA_MPS_PIPE_DIRECTORY", e.path().join("run/gpu0/pipe"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&err).unwrap())

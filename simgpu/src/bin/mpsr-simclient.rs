@@ -60,6 +60,20 @@ fn main() {
         std::process::exit(2);
     };
     let path = std::path::Path::new(&dir).join(mpsr_simgpu::SOCKET_NAME);
+    // A warm standby waits before its first CUDA call: no client of any server (no context, no
+    // memory) until the agent releases it; then it attaches as a new client would.
+    if std::env::var(mpsr_proto::standby::ROLE_ENV).as_deref() == Ok("warm") {
+        let t = Instant::now();
+        if let Err(e) = mpsr_proto::standby::before_cuda() {
+            eprintln!("mpsr-simclient: warm standby cannot wait for its release: {e}");
+            std::process::exit(1);
+        }
+        println!(
+            "simulated warm standby {} released after waiting {:.1} s",
+            std::process::id(),
+            t.elapsed().as_secs_f64()
+        );
+    }
     // A hot standby (mpsr-run's second incarnation): its context is prepared (an idle client of
     // its own server), then it waits until the agent releases it, and computes from then on.
     let standby = std::env::var(mpsr_proto::standby::ROLE_ENV).as_deref() == Ok("standby");

@@ -1,7 +1,7 @@
 //! mpsr-statetool: attach, fill, verify and checkpoint kept state from the command line (tests,
 //! the demo, and checking a node by hand). Runs inside a job (MPSR_KEEPER_SOCKET set).
 //!
-//!   mpsr-statetool NAME BYTES [--fill B] [--verify B] [--checkpoint] [--hold SECS] [--ready] [--release]
+//!   mpsr-statetool NAME BYTES [--before-cuda] [--fill B] [--verify B] [--checkpoint] [--hold SECS] [--ready] [--release]
 //!
 //! The steps run in the order given (`--fill 3 --checkpoint --verify 3`).
 
@@ -25,6 +25,7 @@ fn command() -> Command {
         .arg(step("verify", "B", "Check every byte is B; fails otherwise").value_parser(clap::value_parser!(u8)))
         .arg(Arg::new("checkpoint").long("checkpoint").action(ArgAction::Count).help("Snapshot it to the host now"))
         .arg(step("hold", "SECS", "Keep it attached this long").value_parser(clap::value_parser!(f64)))
+        .arg(Arg::new("before-cuda").long("before-cuda").action(ArgAction::SetTrue).help("Warm standby: wait here, before the attach (no CUDA context yet), until this standby takes over (returns at once in a primary)"))
         .arg(Arg::new("ready").long("ready").action(ArgAction::Count).help("Hot standby: wait here until this standby takes over (returns at once in a primary)"))
         .arg(Arg::new("release").long("release").action(ArgAction::Count).help("Free it (the keeper forgets it)"))
 }
@@ -80,6 +81,16 @@ fn main() -> ExitCode {
     let m = command().get_matches();
     let name = m.get_one::<String>("name").expect("required").as_str();
     let bytes = *m.get_one::<u64>("bytes").expect("required");
+    if m.get_flag("before-cuda") {
+        match mpsr_proto::standby::before_cuda() {
+            Ok(mpsr_proto::standby::Ready::Primary) => println!("before cuda: primary"),
+            Ok(mpsr_proto::standby::Ready::TookOver) => println!("before cuda: took over"),
+            Err(e) => {
+                eprintln!("mpsr-statetool: before cuda: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    }
     let a = match mpsr_state::attach(name, bytes) {
         Ok(a) => a,
         Err(e) => {

@@ -367,6 +367,7 @@ impl World {
                 primary: (pid + 1, Some(1)),
                 standby: (pid + 2, Some(2)),
             }),
+            kind: Default::default(),
         });
     }
 }
@@ -428,6 +429,21 @@ fn standbys_in_a_faulted_server_are_ended() {
     );
     assert!(!e.iter().any(|x| matches!(x, Effect::Release(_))));
     assert!(w.st.durable.standbys.is_empty());
+}
+
+/// A warm standby holds no CUDA context: a fault of the server it would use touches it not.
+#[test]
+fn a_warm_standby_is_not_ended_by_a_fault_of_its_server() {
+    let mut w = World::new();
+    w.resume_task_with_standby(1, 100);
+    w.st.durable.standbys[0].kind = mpsr_proto::standby::Kind::Warm;
+    w.batch_task(2, 200, 0);
+    let e = w.feed(w.signal(Source::Kmsg, Some(79), None, 0));
+    assert!(
+        !e.iter().any(|x| matches!(x, Effect::EndStandby(_))),
+        "{e:?}"
+    );
+    assert_eq!(w.st.durable.standbys.len(), 1);
 }
 
 #[test]
