@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""A small PyTorch model served in a loop, for the hot-standby proof (tests/gpu/standby_proof.py):
-its weights are kept by the state keeper (mpsr_state.attach, no copy), it runs one warm-up forward
-pass, waits in mpsr_state.ready() (at once in a primary; until a fault in a standby), then answers
-"requests" (one forward pass each) for SECONDS, printing `ANSWER <wall>` per answer.
+"""A small PyTorch model served in a loop, for the standby proof (tests/gpu/standby_proof.py): its
+weights are kept by the state keeper (mpsr_state.attach, no copy), it runs one warm-up forward
+pass, waits in mpsr_state.ready() (at once in a primary; until a fault in a hot standby), then
+answers "requests" (one forward pass each) for SECONDS, printing `ANSWER <wall>` per answer. A warm
+standby (MPSR_ROLE=warm) waits in mpsr_state.before_cuda() right after the imports, before CUDA is
+touched, and does the rest once released.
 
     serve_standby.py SECONDS [plain]
 
@@ -16,6 +18,11 @@ t_start = time.time()
 import torch  # noqa: E402
 
 import mpsr_state  # noqa: E402
+
+if os.environ.get("MPSR_ROLE") == "warm":
+    print(f"READY role=warm wall={time.time():.6f} import_s={time.time() - t_start:.3f}", flush=True)
+    mpsr_state.before_cuda()
+    print(f"RELEASED wall={time.time():.6f}", flush=True)
 
 H, LAYERS, BATCH = 4096, 4, 32
 secs = float(sys.argv[1])
@@ -44,8 +51,9 @@ def forward():
 with torch.no_grad():
     ref = forward()
     torch.cuda.synchronize()
-role_env = "standby" if os.environ.get("MPSR_ROLE") == "standby" else "primary"
-print(f"READY role={role_env} origin={origin} wall={time.time():.6f}", flush=True)
+role_env = os.environ.get("MPSR_ROLE", "primary")
+if role_env != "warm":
+    print(f"READY role={role_env} origin={origin} wall={time.time():.6f}", flush=True)
 role = mpsr_state.ready() if not plain else "primary"
 t_ready = time.time()
 print(f"SERVING role={role} origin={origin} start_to_ready_s={t_ready - t_start:.3f} wall={t_ready:.6f}", flush=True)

@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
-"""Hot-standby proof on a real GPU (issue 21): the agent (nvml backend, real MPS, the state keeper);
-a resume-mode task under mpsr-run with a hot standby (MPSR_STANDBY=1, as `--mps-standby` sets it)
-in the GPU's standby domain; another job's fault in the shared server. Measured on one wall clock,
-from the culprit's launch of its faulting kernel to the hit task's first kernel on its kept state:
-the standby's takeover (N faults per kind: Xid 43, 13+43, 31) against today's restart path (the
-same task without a standby) in the same run, with p50/p99; the kernel's Xid record time; a
-PyTorch model served in a loop (the longest gap between answers across the fault: standby vs
-restart with kept weights vs restart without); the cost of waiting standbys (throughput of two
-busy clients of the shared server with 0, 4 and 16 idle standbys; GPU memory and host RSS per
-standby).
+"""Standby proof on a real GPU (issues 21 and 34): the agent (nvml backend, real MPS, the state
+keeper); a resume-mode task under mpsr-run with a hot standby (MPSR_STANDBY=1, as `--mps-standby`
+sets it; waiting in mpsr_state_ready() with its CUDA context) or a warm one (MPSR_STANDBY=warm,
+`--mps-standby=warm`; waiting in mpsr_state_before_cuda() with none) in the GPU's standby domain;
+another job's fault in the shared server. Measured on one wall clock, from the culprit's launch of
+its faulting kernel to the hit task's first kernel on its kept state: the hot and the warm
+standby's takeover and the restart path (the same task without a standby) in the same run (N
+faults per kind: Xid 43, 13+43, 31), with p50/p99; the kernel's Xid record time; a PyTorch model
+served in a loop (the longest gap between answers across the fault: hot, warm, restart with kept
+weights, restart without); the cost of waiting standbys, hot and warm (throughput of two busy
+clients of the shared server with 0, 4 and 16 standbys waiting; GPU memory and host RSS per
+standby; the driver's report time of a fault beside them).
 
     MPSR_BIN=<dir with mpsr-agent, mpsrctl, mpsr-run, mpsr-keeper, libmpsr_state.so> \\
         python3 tests/gpu/standby_proof.py [N_PER_KIND]
 
-STANDBY_PROOF_ONLY=takeover,serving,cost picks the parts (default all); SERVE_RUNS (default 5).
+STANDBY_PROOF_ONLY=takeover,serving,cost picks the parts (default all); SERVE_RUNS (default 5),
+SERVE_SECONDS (30); TAKEOVER_MODES (standby,warm,restart), TAKEOVER_KINDS (xid43,xid13_43,xid31),
+APP_MIB (the kept state of the C task, 64); SERVE_MODES (standby,warm,restart,plain); COST_KINDS
+(hot,warm). A build before 0.3 (no warm standby) runs with TAKEOVER_MODES=restart.
 """
 
 import json
@@ -34,7 +39,8 @@ RESULTS = g.RESULTS
 
 class Supervised(Output):
     """A resume-mode task as slurmstepd starts it: registered first (the shell waits), then it
-    execs into mpsr-run, which runs the command (and, with `standby`, its hot standby)."""
+    execs into mpsr-run, which runs the command (and, with `standby` "hot" or "warm", its
+    standby)."""
 
     WAIT = 60
 
@@ -48,7 +54,7 @@ class Supervised(Output):
             PYTHONPATH=str(g.ROOT / "state-lib/python"), PYTHONUNBUFFERED="1",
         )
         if standby:
-            e["MPSR_STANDBY"] = "1"
+            e["MPSR_STANDBY"] = "1" if standby == "hot" else standby
         e.update(env or {})
         cmd = " ".join(map(str, argv))
         self.p = subprocess.Popen(["/bin/sh", "-c", f"read go; exec {g.BIN}/mpsr-run --backoff-ms 0 -- {cmd}"],
@@ -118,8 +124,8 @@ def server_fatal_line_after(t):
 
 
 def one_fault(kmsg, job, kind, standby, app):
-    """One resume task (with or without a standby), a culprit job in the same shared server that
-    faults; returns the measurements or None."""
+    """One resume task (with a "hot" or "warm" standby, or none), a culprit job in the same shared
+    server that faults; returns the measurements or None."""
     t = Supervised(job, app, standby)
     if not t.registered:
         say(f"  register failed for job {job}")
@@ -168,11 +174,15 @@ def one_fault(kmsg, job, kind, standby, app):
 
 def takeover_cases(kmsg, n):
     kinds = {"xid43": "trap", "xid13_43": "misaligned", "xid31": "illegal"}
-    app = [g.W / "standby_app", "serve", 64, 20]
+    picked = os.environ.get("TAKEOVER_KINDS", ",".join(kinds)).split(",")
+    kinds = {k: v for k, v in kinds.items() if k in picked}
+    modes = os.environ.get("TAKEOVER_MODES", "standby,warm,restart").split(",")
+    app = [g.W / "standby_app", "serve", int(os.environ.get("APP_MIB", "64")), 20]
     out = {}
     job = 3000
+    sb = {"standby": "hot", "warm": "warm", "restart": None}
     for name, kind in kinds.items():
-        for mode in ("standby", "restart"):
+        for mode in modes:
             if mode == "restart" and name != "xid43" and n > 5:
                 runs = max(5, n // 4)  # the restart path is the baseline: fewer runs of the slower kinds
             else:
@@ -181,7 +191,7 @@ def takeover_cases(kmsg, n):
             say(f"=== {name} {mode}: {runs} faults")
             for i in range(runs):
                 job += 1
-                r = one_fault(kmsg, job, kind, mode == "standby", app)
+                r = one_fault(kmsg, job, kind, sb[mode], app)
                 if r:
                     rows.append(r)
             out[f"{name}_{mode}"] = {
@@ -195,7 +205,7 @@ def takeover_cases(kmsg, n):
                 f"Xid record {s['xid_record_ms']}; server's fatal line {s['server_line_ms']}")
             check(f"{name}_{mode}", len(rows) >= max(1, runs * 3 // 4), f"{len(rows)}/{runs} faults measured")
             check(f"{name}_{mode}", all(r["bad_words"] == 0 for r in rows), "the kept state was consistent every time")
-            if mode == "standby":
+            if mode != "restart":
                 check(f"{name}_{mode}", not any(r["restarted"] for r in rows), "no restart: the standby took over")
     return out
 
@@ -204,14 +214,15 @@ def serving_case(kmsg, runs):
     """The longest gap between answers of a PyTorch model across a neighbour's Xid 43."""
     out = {}
     job = 6000
-    for mode in ("standby", "restart", "plain"):
+    secs = int(os.environ.get("SERVE_SECONDS", "30"))
+    for mode in os.environ.get("SERVE_MODES", "standby,warm,restart,plain").split(","):
         gaps, nexts = [], []
         for i in range(runs):
             job += 1
-            args = [sys.executable, g.ROOT / "tests/gpu/serve_standby.py", 30] + (["plain"] if mode == "plain" else [])
-            t = Supervised(job, args, mode == "standby")
+            args = [sys.executable, g.ROOT / "tests/gpu/serve_standby.py", secs] + (["plain"] if mode == "plain" else [])
+            t = Supervised(job, args, {"standby": "hot", "warm": "warm"}.get(mode))
             # The primary serves; a standby has printed READY and waits.
-            want = 2 if mode == "standby" else 1
+            want = 2 if mode in ("standby", "warm") else 1
             end = time.time() + 120
             while (len(t.lines_with("READY role=")) < want or not t.lines_with("SERVING")) \
                     and time.time() < end and t.p.poll() is None:
@@ -276,53 +287,96 @@ def rss_kib(pid):
     return None
 
 
-def cost_case():
-    """Two busy clients of the shared server with 0, 4, 16 idle standbys waiting in the standby
-    domain (each in mpsr_state_ready on a FIFO nobody writes)."""
+def report_times(kmsg, job, reps):
+    """The driver's report of a culprit's Xid 43 in the shared server (its server.log fatal line,
+    the kernel's Xid record), `reps` times."""
+    lines, xids = [], []
+    for i in range(reps):
+        culprit = Task(job + i, None, [g.W / "standby_app", "fault", "trap", "0.2"])
+        faulting = culprit.wait_line("FAULTING", 30)
+        culprit.wait(10)
+        culprit.done(1)
+        wait_server_ready(20)
+        if not faulting:
+            continue
+        tf = float(field(faulting[1], "wall"))
+        time.sleep(0.3)
+        line = server_fatal_line_after(tf)
+        if line:
+            lines.append(round((line - tf) * 1000, 1))
+        x = [r for r in kmsg.records if r[0] >= tf - 0.01 and "Xid" in r[1]]
+        if x:
+            xids.append(round((x[0][0] - tf) * 1000, 1))
+    return {"server_line_ms": summary(lines), "xid_record_ms": summary(xids)}
+
+
+def cost_case(kmsg):
+    """Two busy clients of the shared server with 0, 4, 16 standbys waiting for the standby
+    domain: hot ones (in mpsr_state_ready, their CUDA context made) and warm ones (in
+    mpsr_state_before_cuda, none), each on a FIFO nobody writes; with each, the driver's report
+    time of a fault in the shared server."""
     pipe, logd = standby_domain_pipe()
     check("cost", pipe is not None, "the standby domain exists")
     if pipe is None:
         return {}
     out = {}
     sp, sl = str(g.W / "run/gpu0/pipe"), str(g.W / "run/gpu0/log")
-    for n in (0, 4, 16):
-        standbys = []
-        for i in range(n):
-            fifo = g.W / f"cost-fifo-{n}-{i}"
-            if fifo.exists():
-                fifo.unlink()
-            os.mkfifo(fifo)
-            e = {"MPSR_ROLE": "standby", "MPSR_STANDBY_FIFO": str(fifo)}
-            standbys.append(g.Proc("standby", 0, str(pipe), str(logd),
-                                   argv=[str(g.W / "standby_app"), "serve", "64", "60", "idle"], env=e))
-        for p in standbys:
-            p.wait_line("READY", 60)
-        mem = sh("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits").stdout
-        per = {int(a): int(b) for a, b in (l.split(",") for l in mem.strip().splitlines() if "," in l)}
-        sb_mem = [per.get(p.pid) for p in standbys if per.get(p.pid)]
-        sb_rss = [rss_kib(p.pid) for p in standbys if rss_kib(p.pid)]
-        start = time.time() + 2.0
-        busy = [g.Proc("rate", 0, sp, sl, argv=[str(g.W / "mpsr_probe"), "rate", "5", "66", f"{start:.3f}"])
-                for _ in range(2)]
-        rates = []
-        for b in busy:
-            line = b.wait_line("RATE", 60)
-            if line:
-                rates.append(float(line[1].split()[1]))
-        for p in standbys:
-            p.p.kill()
-            p.wait(10)
-        out[f"standbys_{n}"] = {
-            "busy_kernels_per_s": rates, "sum": round(sum(rates), 1),
-            "gpu_mib_per_standby": round(statistics.mean(sb_mem), 1) if sb_mem else None,
-            "host_rss_mib_per_standby": round(statistics.mean(sb_rss) / 1024, 1) if sb_rss else None,
-        }
-        say(f"  {n} idle standbys: busy clients {rates} kernels/s; per standby "
-            f"{out[f'standbys_{n}']['gpu_mib_per_standby']} MiB GPU, {out[f'standbys_{n}']['host_rss_mib_per_standby']} MiB RSS")
-    base = out.get("standbys_0", {}).get("sum")
-    for n in (4, 16):
-        if base and out.get(f"standbys_{n}", {}).get("sum"):
-            out[f"standbys_{n}"]["ratio_to_none"] = round(out[f"standbys_{n}"]["sum"] / base, 3)
+    job = 8000
+    for kind in os.environ.get("COST_KINDS", "hot,warm").split(","):
+        role = {"hot": "standby", "warm": "warm"}[kind]
+        for n in (0, 4, 16):
+            if n == 0 and kind != "hot" and "hot_standbys_0" in out:
+                out[f"{kind}_standbys_0"] = out["hot_standbys_0"]
+                continue
+            standbys = []
+            for i in range(n):
+                fifo = g.W / f"cost-fifo-{kind}-{n}-{i}"
+                if fifo.exists():
+                    fifo.unlink()
+                os.mkfifo(fifo)
+                e = {"MPSR_ROLE": role, "MPSR_STANDBY_FIFO": str(fifo)}
+                standbys.append(g.Proc("standby", 0, str(pipe), str(logd),
+                                       argv=[str(g.W / "standby_app"), "serve", "64", "60", "idle"], env=e))
+            for p in standbys:
+                p.wait_line("READY", 60)
+            time.sleep(0.5)
+            mem = sh("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits").stdout
+            per = {int(a): int(b) for a, b in (l.split(",") for l in mem.strip().splitlines() if "," in l)}
+            sb_mem = [per.get(p.pid, 0) for p in standbys]
+            sb_rss = [rss_kib(p.pid) for p in standbys if rss_kib(p.pid)]
+            start = time.time() + 2.0
+            busy = [g.Proc("rate", 0, sp, sl, argv=[str(g.W / "mpsr_probe"), "rate", "5", "66", f"{start:.3f}"])
+                    for _ in range(2)]
+            rates = []
+            for b in busy:
+                line = b.wait_line("RATE", 60)
+                if line:
+                    rates.append(float(line[1].split()[1]))
+            for b in busy:
+                b.wait(10)
+            job += 10
+            report = report_times(kmsg, job, 3)
+            for p in standbys:
+                p.p.kill()
+                p.wait(10)
+            key = f"{kind}_standbys_{n}"
+            out[key] = {
+                "busy_kernels_per_s": rates, "sum": round(sum(rates), 1),
+                "gpu_mib_per_standby": round(statistics.mean(sb_mem), 1) if sb_mem else None,
+                "host_rss_mib_per_standby": round(statistics.mean(sb_rss) / 1024, 1) if sb_rss else None,
+                "report": report,
+            }
+            say(f"  {n} {kind} standbys: busy clients {rates} kernels/s; per standby "
+                f"{out[key]['gpu_mib_per_standby']} MiB GPU, {out[key]['host_rss_mib_per_standby']} MiB RSS; "
+                f"fault report: server line {report['server_line_ms']}, Xid record {report['xid_record_ms']}")
+            if kind == "warm" and n:
+                check(f"cost_{key}", out[key]["gpu_mib_per_standby"] == 0, "a warm standby holds no GPU memory")
+    for kind in ("hot", "warm"):
+        base = out.get(f"{kind}_standbys_0", {}).get("sum")
+        for n in (4, 16):
+            k = f"{kind}_standbys_{n}"
+            if base and out.get(k, {}).get("sum"):
+                out[k]["ratio_to_none"] = round(out[k]["sum"] / base, 3)
     return out
 
 
@@ -338,7 +392,7 @@ def main():
     if nv.returncode or nv2.returncode:
         say("nvcc failed: " + nv.stderr + nv2.stderr)
         return g.finish_common("standby_proof.json")
-    cfg = g.write_agent_config(f'[keeper]\nmax_bytes_per_job = "8G"\nsnapshot_dir = "{W}/snapshots"\n'
+    cfg = g.write_agent_config(f'[keeper]\nmax_bytes_per_job = "9G"\nsnapshot_dir = "{W}/snapshots"\n'
                                '[standby]\nmax_per_gpu = 32\n')
     # The standby domain must outlive the takeover cases for the cost case.
     cfg.write_text(cfg.read_text().replace("[mps]\n", "[mps]\ndomain_linger_s = 3600\n"))
@@ -361,8 +415,8 @@ def main():
             say("=== cost of waiting standbys")
             if standby_domain_pipe()[0] is None:
                 # Made by the first standby prepared: one short takeover case makes it.
-                one_fault(kmsg, 2999, "trap", True, [g.W / "standby_app", "serve", 64, 5])
-            RESULTS["cost"] = cost_case()
+                one_fault(kmsg, 2999, "trap", "hot", [g.W / "standby_app", "serve", 64, 5])
+            RESULTS["cost"] = cost_case(kmsg)
     finally:
         if agent:
             agent.terminate()

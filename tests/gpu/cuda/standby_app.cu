@@ -4,11 +4,14 @@
 //   standby_app serve MIB SECONDS [idle]
 //       Attaches the task's kept state "state" (MIB MiB: a generation counter, then data; zeroed
 //       on first use), runs one warm-up kernel, then calls mpsr_state_ready(): at once in the
-//       primary, after a fault in the standby. Its first kernel then checks the kept state, and it
+//       primary, after a fault in the (hot) standby. A warm standby (MPSR_ROLE=warm) waits in
+//       mpsr_state_before_cuda() before all of that, holding no CUDA context, and does it all once
+//       released. Its first kernel then checks the kept state, and it
 //       runs small kernels on it (a step: data = gen + 1, then gen += 1, the counter written last)
 //       until SECONDS have passed (`idle`: memory of its own instead of kept state, no kernels
 //       after the wait; the cost case). Prints
 //         READY role=<primary|standby> origin=<0|1|2> wall=<t>
+//         READY role=warm wall=<t>                (a warm standby, before it waits)
 //         FIRST_KERNEL how=<start|takeover|restart> released=<t> done=<t> gen=<g> bad=<n> redo=<0|1>
 //         KEEP_ERROR <code> <text> wall=<t>       (the primary hit by a fault)
 //   standby_app fault illegal|trap|misaligned DELAY
@@ -58,7 +61,27 @@ __global__ void misaligned(char *p) { *(int *)(p + 1) = 7; }
 
 #define OUT(...) do { printf(__VA_ARGS__); fflush(stdout); } while (0)
 
+// Weak: the same program runs with a state library before 0.3 (the restart baseline), which has
+// no warm standby.
+extern "C" int mpsr_state_before_cuda(void) __attribute__((weak));
+
+static const char *role_env() {
+  const char *r = getenv("MPSR_ROLE");
+  if (r && !strcmp(r, "standby")) return "standby";
+  if (r && !strcmp(r, "warm")) return "warm";
+  return "primary";
+}
+
 static int serve(size_t mib, double secs, bool idle) {
+  // A warm standby waits here, before its first CUDA call: no context, no GPU memory.
+  int warm = 0;
+  double released = 0;
+  if (!strcmp(role_env(), "warm")) {
+    OUT("READY role=warm wall=%.6f\n", wall());
+    warm = mpsr_state_before_cuda ? mpsr_state_before_cuda() : 0;
+    released = wall();
+    if (warm < 0) { OUT("READY_ERROR %s\n", mpsr_state_last_error()); return 1; }
+  }
   cudaError_t e = cudaFree(0);
   if (e) { OUT("INIT_ERROR %d %s\n", (int)e, cudaGetErrorString(e)); return 1; }
   void *p; int origin = 0;
@@ -81,12 +104,11 @@ static int serve(size_t mib, double secs, bool idle) {
   check<<<264, 256>>>(gen, d, n, cnt);
   e = cudaDeviceSynchronize();
   if (e) { OUT("WARMUP_ERROR %d %s\n", (int)e, cudaGetErrorString(e)); return 1; }
-  const char *role = getenv("MPSR_ROLE") && !strcmp(getenv("MPSR_ROLE"), "standby") ? "standby" : "primary";
-  OUT("READY role=%s origin=%d wall=%.6f\n", role, origin, wall());
+  if (!warm) OUT("READY role=%s origin=%d wall=%.6f\n", role_env(), origin, wall());
   int r = mpsr_state_ready();
-  double released = wall();
+  if (!warm) released = wall();
   if (r < 0) { OUT("READY_ERROR %s\n", mpsr_state_last_error()); return 1; }
-  const char *how = r == 1 ? "takeover" : (getenv("MPSR_RESTARTS") && atoi(getenv("MPSR_RESTARTS")) > 0 ? "restart" : "start");
+  const char *how = (r == 1 || warm == 1) ? "takeover" : (getenv("MPSR_RESTARTS") && atoi(getenv("MPSR_RESTARTS")) > 0 ? "restart" : "start");
   // The first kernel on the kept state: check it, and redo a step the fault interrupted.
   unsigned long long h[2];
   cudaMemset(cnt, 0, 16);
