@@ -174,6 +174,10 @@ pub struct Registration {
     pub isolation: Option<Isolation>,
 }
 
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
 /// Requests to the agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -224,7 +228,9 @@ pub enum Request {
         /// While the verdict is `Wait` (the task's server recovers), the agent holds the answer up
         /// to this long (at most 1000 ms; absent from supervisors before 0.3: at once) and answers
         /// the moment it changes: the restart follows the server's recovery at once, not a poll.
-        #[serde(default)]
+        /// Not sent when 0 (an agent before 0.3 refuses fields it does not know: the supervisor
+        /// asks without it when refused so).
+        #[serde(default, skip_serializing_if = "is_zero")]
         wait_ms: u32,
     },
     /// Node health for the health check.
@@ -278,8 +284,9 @@ pub enum Request {
         job_id: u32,
         step_id: u32,
         pid: u32,
-        /// Hot (absent from supervisors before 0.3) or warm.
-        #[serde(default)]
+        /// Hot (absent from supervisors before 0.3) or warm. Sent only when warm: an agent before
+        /// 0.3 refuses fields it does not know, and its standby is a hot one.
+        #[serde(default, skip_serializing_if = "standby::Kind::is_hot")]
         kind: standby::Kind,
     },
     /// The supervisor started the standby: the agent releases it when a fault hits the task, and
@@ -680,6 +687,46 @@ pub fn parse_size(s: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Fields added in 0.3 are sent only when they say something: an agent before 0.3 refuses
+    /// fields it does not know, and the defaults are what it does anyway.
+    #[test]
+    fn new_request_fields_are_left_out_at_their_defaults() {
+        let q = |wait_ms| {
+            serde_json::to_string(&Request::ResumeQuery {
+                job_id: 1,
+                step_id: 0,
+                pid: 2,
+                wait_ms,
+            })
+            .unwrap()
+        };
+        assert!(!q(0).contains("wait_ms"), "{}", q(0));
+        assert!(q(1000).contains("\"wait_ms\":1000"));
+        let p = |kind| {
+            serde_json::to_string(&Request::StandbyPrepare {
+                job_id: 1,
+                step_id: 0,
+                pid: 2,
+                kind,
+            })
+            .unwrap()
+        };
+        assert!(!p(standby::Kind::Hot).contains("kind"));
+        assert!(p(standby::Kind::Warm).contains("\"kind\":\"warm\""));
+        // And read back without them, as from a supervisor before 0.3.
+        let old: Request =
+            serde_json::from_str(r#"{"op":"standby_prepare","job_id":1,"step_id":0,"pid":2}"#)
+                .unwrap();
+        assert!(matches!(
+            old,
+            Request::StandbyPrepare {
+                kind: standby::Kind::Hot,
+                ..
+            }
+        ));
+    }
+
     use super::*;
 
     #[test]

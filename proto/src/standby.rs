@@ -51,6 +51,10 @@ impl Kind {
         }
     }
 
+    pub fn is_hot(&self) -> bool {
+        *self == Kind::Hot
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Kind::Hot => "hot",

@@ -152,7 +152,7 @@ const HOLD: Duration = Duration::from_millis(1000);
 /// Asks the agent what to do about this task's failed child.
 fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
     let client = agent();
-    let req = Request::ResumeQuery {
+    let mut req = Request::ResumeQuery {
         job_id: t.job,
         step_id: t.step,
         pid: std::process::id(),
@@ -182,6 +182,17 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
                 ResumeVerdict::Wait if asked.elapsed() >= HOLD / 2 => continue,
                 _ => {}
             },
+            // An agent before 0.3 refuses the hold it does not know (a rolling upgrade half
+            // done): ask as before, polling.
+            Ok(Response::Error {
+                code: mpsr_proto::ErrorCode::BadRequest,
+                ..
+            }) if matches!(req, Request::ResumeQuery { wait_ms, .. } if wait_ms > 0) => {
+                if let Request::ResumeQuery { wait_ms, .. } = &mut req {
+                    *wait_ms = 0;
+                }
+                continue;
+            }
             Ok(Response::Error { message, .. }) => {
                 return (ResumeVerdict::NotHit, format!("agent refused: {message}"))
             }
