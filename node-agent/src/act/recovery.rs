@@ -18,8 +18,15 @@ use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::FaultClass;
 use mpsr_proto::{DomainId, FaultOutcome, ResumeVerdict, ServerState};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// How often a recovering server is asked for its state in the first `WATCH_CLOSELY` of its
+/// recovery, and after.
+const WATCH: Duration = Duration::from_millis(10);
+const WATCH_CLOSELY: Duration = Duration::from_secs(2);
+const WATCH_LATER: Duration = Duration::from_millis(100);
 
 /// Recovery and the handles it needs.
 pub struct Recovery {
@@ -57,12 +64,12 @@ impl Recovery {
         // time to it is an outcome people read); healed GPUs are looked for every
         // `mps.health_interval_ms`. Only domains that recover are asked, so the cost is bounded
         // by the faults, not by the node.
-        const WATCH: Duration = Duration::from_millis(10);
         let health = self.health;
         let mut last_health = Instant::now();
+        let mut asked = BTreeMap::new();
         loop {
             std::thread::sleep(WATCH);
-            self.watch_recovering();
+            self.watch_recovering(&mut asked);
             if last_health.elapsed() >= health {
                 last_health = Instant::now();
                 self.clear_healed();
@@ -70,16 +77,31 @@ impl Recovery {
         }
     }
 
-    fn watch_recovering(self: &Arc<Self>) {
+    /// Asks each recovering domain's server for its state: every `WATCH` in the first
+    /// `WATCH_CLOSELY` of its recovery (a normal recovery ends there), then every `WATCH_LATER`
+    /// (each question is a command to its control daemon, which a stuck server may make slow).
+    fn watch_recovering(self: &Arc<Self>, asked: &mut BTreeMap<DomainId, Instant>) {
         let grace = self.grace;
-        let domains: Vec<(DomainId, u64, Instant)> = self
+        let recovering: Vec<(DomainId, u64, Instant)> = self
             .store
             .lock()
             .recovering
             .iter()
             .map(|(d, r)| (*d, r.fault_id, r.since))
             .collect();
-        for (domain, fault_id, since) in domains {
+        asked.retain(|d, _| recovering.iter().any(|(r, _, _)| r == d));
+        let now = Instant::now();
+        let domains = recovering.into_iter().filter(|(d, _, since)| {
+            let due = now.duration_since(*since) < WATCH_CLOSELY
+                || asked
+                    .get(d)
+                    .is_none_or(|t| now.duration_since(*t) >= WATCH_LATER);
+            if due {
+                asked.insert(*d, now);
+            }
+            due
+        });
+        for (domain, fault_id, since) in domains.collect::<Vec<_>>() {
             match self.backend.server_state(domain) {
                 ServerState::Active | ServerState::Idle => {
                     let ms = since.elapsed().as_millis();
@@ -111,10 +133,11 @@ impl Recovery {
     /// while a poisoned idle client holds the server, `terminate_client` blocks and the control
     /// daemon answers nothing. So the hit tasks' own CUDA processes (holding /dev/nvidia*) count too.
     fn end_hit_clients(self: &Arc<Self>, domain: DomainId, fault_id: u64, grace: Duration) {
-        let mut clients = self.backend.clients(domain);
-        let Some(roots) = self.hit_roots(domain) else {
+        // At most once a second: asking for the clients is a command to a daemon that may be slow.
+        let Some(Some(roots)) = self.hit_roots(domain) else {
             return;
         };
+        let mut clients = self.backend.clients(domain);
         for p in procfs::under(&roots) {
             if !clients.contains(&p) && procfs::uses_gpu(p) {
                 clients.push(p);
@@ -147,8 +170,9 @@ impl Recovery {
     }
 
     /// The pids of the hit jobs' tasks in `domain` (their descendants are the CUDA processes to
-    /// look for), at most once a second; None once the domain no longer recovers.
-    fn hit_roots(&self, domain: DomainId) -> Option<Vec<u32>> {
+    /// look for), at most once a second (`Some(None)` in between); None once the domain no longer
+    /// recovers.
+    fn hit_roots(&self, domain: DomainId) -> Option<Option<Vec<u32>>> {
         let mut st = self.store.lock();
         let State {
             durable: d,
@@ -160,17 +184,17 @@ impl Recovery {
         if r.scanned_at
             .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
         {
-            return Some(Vec::new());
+            return Some(None);
         }
         r.scanned_at = Some(Instant::now());
-        Some(
+        Some(Some(
             d.registry
                 .tasks()
                 .chain(recent_exits.iter().map(|(_, t)| t))
                 .filter(|t| r.hit_jobs.contains(&t.job_id) && t.in_domain(domain))
                 .map(|t| t.pid)
                 .collect(),
-        )
+        ))
     }
 
     /// SIGKILLs the clients that run under a task of a hit job (once each); the others are
