@@ -33,7 +33,9 @@ if plain:
     w = torch.empty(shape, device="cuda", dtype=torch.float16)
 else:
     ptr, origin = mpsr_state.attach("weights", LAYERS * H * H * 2)
+    t_attached = time.time()
     w = mpsr_state.as_torch(ptr, shape, torch.float16)
+    t_torch = time.time()
 if origin != "kept":
     # "Loading the model": deterministic weights, as a checkpoint would give them.
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -48,9 +50,15 @@ def forward():
     return y
 
 
+t_input = time.time()
 with torch.no_grad():
     ref = forward()
     torch.cuda.synchronize()
+t_ref = time.time()
+if not plain:
+    # Where a start's time goes (a warm standby's after its release): context + attach, torch's
+    # view of the weights, the input, the first forward pass (libraries, kernels loaded).
+    print(f"PHASES attach_s={t_attached:.6f} torch_s={t_torch:.6f} input_s={t_input:.6f} ref_s={t_ref:.6f}", flush=True)
 role_env = os.environ.get("MPSR_ROLE", "primary")
 if role_env != "warm":
     print(f"READY role={role_env} origin={origin} wall={time.time():.6f}", flush=True)
