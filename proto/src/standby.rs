@@ -75,25 +75,50 @@ pub enum Ready {
     TookOver,
 }
 
-/// Returns at once in a primary or a warm standby; in a hot standby (`MPSR_ROLE=standby`), blocks
-/// until the agent releases it. `TookOver` in a standby that was released (here or in
-/// `before_cuda`). An error means the standby cannot wait (no FIFO): it should exit.
+/// Where a standby stops: `ready` (after the warm-up) or `before_cuda`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Point {
+    BeforeCuda,
+    Ready,
+}
+
+/// Whether a process of `role` waits for its release at `point`: a hot standby at `ready` only
+/// (it makes its context first); a warm one at the first of the two it reaches — a program that
+/// never calls `before_cuda` still must not run on as a second incarnation of its task.
+fn waits_at(role: Option<&str>, point: Point, took_over: bool) -> bool {
+    if took_over {
+        return false;
+    }
+    match (role, point) {
+        (Some("standby"), Point::Ready) => true,
+        (Some("warm"), _) => true,
+        _ => false,
+    }
+}
+
+/// Returns at once in a primary; in a hot standby (`MPSR_ROLE=standby`), or a warm one that has
+/// not waited yet, blocks until the agent releases it. `TookOver` in a standby that was released
+/// (here or in `before_cuda`). An error means the standby cannot wait (no FIFO): it should exit.
 pub fn ready() -> std::io::Result<Ready> {
-    wait_if(Kind::Hot)
+    wait_at(Point::Ready)
 }
 
 /// Call before the first CUDA call. Returns at once in a primary or a hot standby; in a warm
 /// standby (`MPSR_ROLE=warm`), blocks until the agent releases it. As `ready`.
 pub fn before_cuda() -> std::io::Result<Ready> {
-    wait_if(Kind::Warm)
+    wait_at(Point::BeforeCuda)
 }
 
-fn wait_if(kind: Kind) -> std::io::Result<Ready> {
-    if std::env::var(ROLE_ENV).as_deref() == Ok(kind.role()) && !TOOK_OVER.load(Ordering::SeqCst) {
+fn wait_at(point: Point) -> std::io::Result<Ready> {
+    let role = std::env::var(ROLE_ENV).ok();
+    if waits_at(role.as_deref(), point, TOOK_OVER.load(Ordering::SeqCst)) {
         let fifo = std::env::var_os(FIFO_ENV).ok_or_else(|| {
             std::io::Error::new(
                 std::io::ErrorKind::NotFound,
-                format!("{ROLE_ENV}={} without {FIFO_ENV}", kind.role()),
+                format!(
+                    "{ROLE_ENV}={} without {FIFO_ENV}",
+                    role.as_deref().unwrap_or("")
+                ),
             )
         })?;
         wait_release(Path::new(&fifo))?;
@@ -130,6 +155,28 @@ pub fn wait_release(fifo: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hot standby waits after its warm-up, a warm one before CUDA (or at `ready` when the
+    /// program has no `before_cuda`), a primary never, nobody after a takeover.
+    #[test]
+    fn each_standby_waits_at_its_point_and_only_once() {
+        use Point::*;
+        for (role, point, want) in [
+            (None, BeforeCuda, false),
+            (None, Ready, false),
+            (Some("primary"), Ready, false),
+            (Some("standby"), BeforeCuda, false),
+            (Some("standby"), Ready, true),
+            (Some("warm"), BeforeCuda, true),
+            (Some("warm"), Ready, true),
+        ] {
+            assert_eq!(waits_at(role, point, false), want, "{role:?} at {point:?}");
+            assert!(
+                !waits_at(role, point, true),
+                "{role:?} at {point:?} after a takeover"
+            );
+        }
+    }
 
     #[test]
     fn a_standby_waits_until_one_byte_is_written() {

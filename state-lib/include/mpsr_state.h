@@ -53,7 +53,8 @@ int mpsr_state_ready(void);
  * so it costs no GPU memory and does not delay the driver's fault reports. Released, it creates
  * its context and attaches the kept state. Negative on error (it should exit). A program may call
  * both: mpsr_state_before_cuda() before CUDA, mpsr_state_ready() after its warm-up; each standby
- * waits in its own, and after a takeover both return 1. */
+ * waits in its own, and after a takeover both return 1. A warm standby of a program without this
+ * call waits in mpsr_state_ready() instead (its CUDA context made by then). */
 int mpsr_state_before_cuda(void);
 /* Step time: call once at the end of every step of the application's loop (a training
  * iteration, a decode step, a served batch); the first call starts the clock. The agent reads the
