@@ -89,11 +89,10 @@ fn waits_at(role: Option<&str>, point: Point, took_over: bool) -> bool {
     if took_over {
         return false;
     }
-    match (role, point) {
-        (Some("standby"), Point::Ready) => true,
-        (Some("warm"), _) => true,
-        _ => false,
-    }
+    matches!(
+        (role, point),
+        (Some("standby"), Point::Ready) | (Some("warm"), _)
+    )
 }
 
 /// Returns at once in a primary; in a hot standby (`MPSR_ROLE=standby`), or a warm one that has
