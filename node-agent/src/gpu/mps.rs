@@ -30,7 +30,7 @@ impl MpsDaemon {
         c
     }
 
-    /// Starts the daemon (`-d`) in fresh directories (`domain::dirs`), unless one already answers
+    /// Starts the daemon (`-d`) in fresh directories (`gpu::dirs`), unless one already answers
     /// on this pipe dir: that one is adopted (`Started::Adopted`). A daemon that does not answer in
     /// time may still be there (hung): its directories are left alone and that is an error.
     pub fn start(&self, owner_uid: Option<u32>) -> Result<Started, RunError> {
