@@ -1062,6 +1062,35 @@ fn a_quarantined_job_with_no_domain_free_runs_shared_instead_of_failing() {
     assert_eq!(c.job_field(a, "Restarts"), "0");
 }
 
+/// A neighbour's batch job joins the srun task's shared server on `gpu` (so the task is a victim
+/// of the fault, not its culprit), an Xid 43 hits that server, and the srun ends successfully:
+/// the neighbour's id and what the srun printed.
+fn hit_beside_a_neighbour(
+    c: &Cluster,
+    gpu: u32,
+    srun: &mut std::process::Child,
+    out: &std::path::Path,
+) -> (u32, String) {
+    let neighbour = c
+        .sbatch(
+            "nobody",
+            "-w n1 --gres=shard:1 --mps-resilient",
+            &client_script(120, 1),
+        )
+        .unwrap();
+    c.wait_job_state(neighbour, &["RUNNING"], SHORT).unwrap();
+    assert_eq!(c.wait_registered("n1", neighbour, 1).unwrap(), vec![gpu]);
+    wait_for("both clients busy in the shared server", SHORT, || {
+        (c.clients("n1", gpu).len() == 2).then_some(())
+    })
+    .unwrap();
+    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
+    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(out).unwrap();
+    assert!(status.success(), "srun failed: {text}");
+    (neighbour, text)
+}
+
 /// A hot standby on real Slurm (`--mps-resilient=resume --mps-standby`): mpsr-run runs the task
 /// and a standby of it in the GPU's standby domain; the standby attaches the task's kept state and
 /// waits. A fault in the shared server hits the task and a neighbour's batch job: the standby
@@ -1103,23 +1132,7 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
         (waiting && armed && text.matches("origin=").count() >= 2).then_some(())
     })
     .unwrap();
-    let neighbour = c
-        .sbatch(
-            "nobody",
-            "-w n1 --gres=shard:1 --mps-resilient",
-            &client_script(120, 1),
-        )
-        .unwrap();
-    c.wait_job_state(neighbour, &["RUNNING"], SHORT).unwrap();
-    assert_eq!(c.wait_registered("n1", neighbour, 1).unwrap(), vec![gpu]);
-    wait_for("both clients busy in the shared server", SHORT, || {
-        (c.clients("n1", gpu).len() == 2).then_some(())
-    })
-    .unwrap();
-    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
-    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
-    let text = std::fs::read_to_string(&out).unwrap();
-    assert!(status.success(), "srun failed: {text}");
+    let (neighbour, text) = hit_beside_a_neighbour(&c, gpu, &mut srun, &out);
     assert!(text.contains("its hot standby took over"), "{text}");
     assert!(!text.contains("restarting in place"), "{text}");
     assert!(
@@ -1193,24 +1206,7 @@ fn a_warm_standby_takes_over_a_hit_srun_task() {
         "{:?}",
         g.domains
     );
-    // A neighbour in the shared server: the task is then a victim of the fault, not its culprit.
-    let neighbour = c
-        .sbatch(
-            "nobody",
-            "-w n1 --gres=shard:1 --mps-resilient",
-            &client_script(120, 1),
-        )
-        .unwrap();
-    c.wait_job_state(neighbour, &["RUNNING"], SHORT).unwrap();
-    assert_eq!(c.wait_registered("n1", neighbour, 1).unwrap(), vec![gpu]);
-    wait_for("both clients busy in the shared server", SHORT, || {
-        (c.clients("n1", gpu).len() == 2).then_some(())
-    })
-    .unwrap();
-    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
-    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
-    let text = std::fs::read_to_string(&out).unwrap();
-    assert!(status.success(), "srun failed: {text}");
+    let (_neighbour, text) = hit_beside_a_neighbour(&c, gpu, &mut srun, &out);
     assert!(text.contains("its warm standby took over"), "{text}");
     assert!(!text.contains("restarting in place"), "{text}");
     assert!(

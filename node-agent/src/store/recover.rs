@@ -2,12 +2,11 @@
 //! decision history and telemetry log, reconciled with the processes alive now (tasks that exited
 //! while the agent was down leave the registry, and their standbys and resume entries go).
 
-use crate::fault::correlate::Correlator;
 use crate::store::state::{Durable, State, TelemetryLog};
 use crate::sys::atomic_file::{self, PersistError};
 use crate::sys::procfs;
 use mpsr_proto::DecisionRecord;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::Path;
 use std::time::Duration;
 
@@ -56,19 +55,12 @@ pub fn recover(dir: &Path, window: Duration) -> Result<State, PersistError> {
             "state recovered after restart"
         );
     }
-    Ok(State {
-        durable: d,
+    Ok(State::new(
+        d,
         history,
         telemetry,
-        correlator: Correlator::new(window),
-        recovering: BTreeMap::new(),
-        recent_exits: VecDeque::new(),
-        moved: Vec::new(),
-        totals: Default::default(),
-        escalations: Default::default(),
-        xid_totals: Default::default(),
-        down_exits: crate::store::state::DownExits::new(gone),
-        journal_pending: Vec::new(),
-        next_seq: last_seq + 1,
-    })
+        window,
+        gone,
+        last_seq + 1,
+    ))
 }

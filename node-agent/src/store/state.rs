@@ -495,6 +495,34 @@ pub struct Moved {
 }
 
 impl State {
+    /// The state over what was read back (the durable part, the decision history, the telemetry
+    /// log, the tasks that exited while the agent was down), with nothing in flight; faults'
+    /// signals within `window` are one fault; the registry journal goes on at `next_seq`.
+    pub fn new(
+        durable: Durable,
+        history: VecDeque<mpsr_proto::DecisionRecord>,
+        telemetry: TelemetryLog,
+        window: Duration,
+        gone: Vec<crate::store::registry::Task>,
+        next_seq: u64,
+    ) -> State {
+        State {
+            durable,
+            history,
+            telemetry,
+            correlator: Correlator::new(window),
+            recovering: BTreeMap::new(),
+            recent_exits: VecDeque::new(),
+            moved: Vec::new(),
+            totals: Default::default(),
+            escalations: Default::default(),
+            xid_totals: Default::default(),
+            down_exits: DownExits::new(gone),
+            journal_pending: Vec::new(),
+            next_seq,
+        }
+    }
+
     /// Every domain of these GPUs.
     pub fn all_domains(&self, gpus: impl IntoIterator<Item = u32>) -> Vec<DomainId> {
         gpus.into_iter()

@@ -3,11 +3,11 @@
 use super::*;
 use crate::config::FaultConfig;
 use crate::domain::QuarantineRule;
-use crate::fault::correlate::{Correlator, GpuRef, Source};
+use crate::fault::correlate::{GpuRef, Source};
 use crate::store::queue::ActionKey;
 use crate::store::state::State;
 use mpsr_proto::{Isolation, Mode};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 const BATCH: u32 = mpsr_proto::BATCH_STEP;
 
@@ -27,21 +27,14 @@ impl World {
     fn new() -> World {
         let faults = FaultConfig::default();
         World {
-            st: State {
-                durable: Durable::default(),
-                history: VecDeque::new(),
-                telemetry: Default::default(),
-                correlator: Correlator::new(Duration::from_millis(faults.correlation_window_ms)),
-                recovering: BTreeMap::new(),
-                recent_exits: VecDeque::new(),
-                moved: Vec::new(),
-                totals: Default::default(),
-                escalations: Default::default(),
-                xid_totals: Default::default(),
-                down_exits: Default::default(),
-                journal_pending: Vec::new(),
-                next_seq: 1,
-            },
+            st: State::new(
+                Durable::default(),
+                VecDeque::new(),
+                Default::default(),
+                Duration::from_millis(faults.correlation_window_ms),
+                Vec::new(),
+                1,
+            ),
             classifier: Classifier::default(),
             policy: Policy {
                 default: Isolation::Shared,
