@@ -332,12 +332,11 @@ fn main() -> ExitCode {
     }
     // `--mps-standby[=KIND]` (the plugin sets MPSR_STANDBY=1 or warm): keep a standby of the
     // command.
-    let kind = std::env::var(standby::WANTED_ENV)
+    let wanted = std::env::var(standby::WANTED_ENV)
         .ok()
-        .and_then(|v| Kind::from_env_value(&v))
-        .unwrap_or_default();
-    let mut standby_wanted = task.is_some()
-        && std::env::var(standby::WANTED_ENV).is_ok_and(|v| Kind::from_env_value(&v).is_some());
+        .and_then(|v| Kind::from_env_value(&v));
+    let kind = wanted.unwrap_or_default();
+    let mut standby_wanted = task.is_some() && wanted.is_some();
     forward_signals();
     let mut restarts = 0u32;
     let mut primary: Option<u32> = None;

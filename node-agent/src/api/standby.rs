@@ -79,7 +79,7 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey, kind: Kind) -> Respo
             &st.durable.standbys,
             gpu,
             kind,
-            rss_bytes,
+            procfs::rss_bytes,
         )
     };
     if let Some(why) = refused {
@@ -204,16 +204,6 @@ fn over_limit(
             cfg.warm_host_memory
         )
     })
-}
-
-/// A process's resident memory in bytes (0 when it is gone).
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kib| kib << 10)
 }
 
 fn make_fifo(dir: &std::path::Path, fifo: &std::path::Path, uid: u32) -> std::io::Result<()> {

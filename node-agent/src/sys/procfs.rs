@@ -2,6 +2,16 @@
 
 use std::fs;
 
+/// A process's resident memory in bytes (0 when it is gone).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
 /// Start time in clock ticks (field 22 of /proc/PID/stat).
 pub fn start_ticks(pid: u32) -> Option<u64> {
     let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
