@@ -1062,6 +1062,55 @@ fn a_quarantined_job_with_no_domain_free_runs_shared_instead_of_failing() {
     assert_eq!(c.job_field(a, "Restarts"), "0");
 }
 
+/// Starts, as nobody, an srun task in resume mode under mpsr-run with `standby_flag`, writing to
+/// the job file `name`: the output file, the srun, the job and its GPU once registered.
+fn start_resume_srun(
+    c: &Cluster,
+    name: &str,
+    standby_flag: &str,
+    app: &str,
+) -> (std::path::PathBuf, std::process::Child, u32, u32) {
+    let out = c.jobs().join(name);
+    let srun = c
+        .spawn_as(
+            "nobody",
+            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume {standby_flag} mpsr-run -- sh -c '{app}'"),
+            &out,
+        )
+        .unwrap();
+    let job = wait_for("srun job registered", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        s.tasks.first().map(|t| t.job_id)
+    })
+    .unwrap();
+    let gpu = c.agent_status("n1").unwrap().tasks[0].gpus[0];
+    (out, srun, job, gpu)
+}
+
+/// The task's `kind` standby took over (what the task printed: `text`): no restart, the kept
+/// state as the primary left it (`byte` everywhere, after the standby's `released` line), the step
+/// completed with Restarts=0 and the job's AdminComment says how.
+fn taken_over_in_place(c: &Cluster, job: u32, text: &str, kind: &str, released: &str, byte: u8) {
+    assert!(
+        text.contains(&format!("its {kind} standby took over")),
+        "{text}"
+    );
+    assert!(!text.contains("restarting in place"), "{text}");
+    assert!(
+        text.contains(released)
+            && text.contains("origin=Kept")
+            && text.contains(&format!("verified model: every byte is {byte}")),
+        "the standby found the kept state as the primary left it: {text}"
+    );
+    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
+    assert_eq!(c.job_field(job, "Restarts"), "0");
+    let line = format!("victim; its {kind} standby took over");
+    wait_for("the job's fault line", SHORT, || {
+        admin_comment(c, job).contains(&line).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: AdminComment={}", admin_comment(c, job)));
+}
+
 /// A neighbour's batch job joins the srun task's shared server on `gpu` (so the task is a victim
 /// of the fault, not its culprit), an Xid 43 hits that server, and the srun ends successfully:
 /// the neighbour's id and what the srun printed.
@@ -1101,21 +1150,8 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
     let Some((_g, c)) = cluster(Options::default()) else {
         return;
     };
-    let out = c.jobs().join("srun-standby.out");
-    let app = standby_app(9);
-    let mut srun = c
-        .spawn_as(
-            "nobody",
-            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume --mps-standby mpsr-run -- sh -c '{app}'"),
-            &out,
-        )
-        .unwrap();
-    let job = wait_for("srun job registered", SHORT, || {
-        let s = c.agent_status("n1").ok()?;
-        s.tasks.first().map(|t| t.job_id)
-    })
-    .unwrap();
-    let gpu = c.agent_status("n1").unwrap().tasks[0].gpus[0];
+    let (out, mut srun, job, gpu) =
+        start_resume_srun(&c, "srun-standby.out", "--mps-standby", &standby_app(9));
     // The standby waits in a domain of its own kind: the GPU's standby domain, not the shared one.
     wait_for("the standby prepared in the standby domain", SHORT, || {
         let text = std::fs::read_to_string(&out).ok()?;
@@ -1133,23 +1169,8 @@ fn a_hot_standby_takes_over_a_hit_srun_task() {
     })
     .unwrap();
     let (neighbour, text) = hit_beside_a_neighbour(&c, gpu, &mut srun, &out);
-    assert!(text.contains("its hot standby took over"), "{text}");
-    assert!(!text.contains("restarting in place"), "{text}");
-    assert!(
-        text.contains("ready: took over")
-            && text.contains("origin=Kept")
-            && text.contains("verified model: every byte is 9"),
-        "the standby found the kept state as the primary left it: {text}"
-    );
-    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
-    assert_eq!(c.job_field(job, "Restarts"), "0");
-    // The fault in Slurm's own view of each job, and on the task's stderr.
-    wait_for("the job's fault line", SHORT, || {
-        admin_comment(&c, job)
-            .contains("victim; its hot standby took over")
-            .then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e}: AdminComment={}", admin_comment(&c, job)));
+    // The fault in Slurm's own view of the job, and on the task's stderr.
+    taken_over_in_place(&c, job, &text, "hot", "ready: took over", 9);
     assert!(
         text.contains("mpsr-run: a GPU fault hit the task (hit by fault"),
         "{text}"
@@ -1175,21 +1196,12 @@ fn a_warm_standby_takes_over_a_hit_srun_task() {
     let Some((_g, c)) = cluster(Options::default()) else {
         return;
     };
-    let out = c.jobs().join("srun-warm.out");
-    let app = warm_standby_app(7);
-    let mut srun = c
-        .spawn_as(
-            "nobody",
-            &format!("srun -u -w n1 --gres=shard:1 --mps-resilient=resume --mps-standby=warm mpsr-run -- sh -c '{app}'"),
-            &out,
-        )
-        .unwrap();
-    let job = wait_for("srun job registered", SHORT, || {
-        let s = c.agent_status("n1").ok()?;
-        s.tasks.first().map(|t| t.job_id)
-    })
-    .unwrap();
-    let gpu = c.agent_status("n1").unwrap().tasks[0].gpus[0];
+    let (out, mut srun, job, gpu) = start_resume_srun(
+        &c,
+        "srun-warm.out",
+        "--mps-standby=warm",
+        &warm_standby_app(7),
+    );
     let standby = wait_for("the warm standby armed", SHORT, || {
         let text = std::fs::read_to_string(&out).ok()?;
         let s = c.agent_status("n1").ok()?;
@@ -1207,22 +1219,7 @@ fn a_warm_standby_takes_over_a_hit_srun_task() {
         g.domains
     );
     let (_neighbour, text) = hit_beside_a_neighbour(&c, gpu, &mut srun, &out);
-    assert!(text.contains("its warm standby took over"), "{text}");
-    assert!(!text.contains("restarting in place"), "{text}");
-    assert!(
-        text.contains("before cuda: took over")
-            && text.contains("origin=Kept")
-            && text.contains("verified model: every byte is 7"),
-        "the standby found the kept state as the primary left it: {text}"
-    );
-    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
-    assert_eq!(c.job_field(job, "Restarts"), "0");
-    wait_for("the job's fault line", SHORT, || {
-        admin_comment(&c, job)
-            .contains("its warm standby took over")
-            .then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e}: AdminComment={}", admin_comment(&c, job)));
+    taken_over_in_place(&c, job, &text, "warm", "before cuda: took over", 7);
     assert!(not_drained(&c, "n1"));
 }
 
