@@ -76,6 +76,11 @@ pub struct StandbyConfig {
     /// "32G" (a PyTorch process with torch imported: ~0.5 GiB); a standby asked for beyond it is
     /// refused (the task runs without one). Empty: no cap.
     pub warm_host_memory: String,
+    /// A resume task hit in a GPU's shared domain with no standby to take over is restarted at
+    /// once in the GPU's standby domain when that domain's server runs (its new CUDA context is
+    /// made while the shared server recovers) and runs there from then on, as a task whose
+    /// standby took over does. False: it waits for its own server to be ACTIVE again.
+    pub restart_in_standby_domain: bool,
 }
 
 impl Default for StandbyConfig {
@@ -85,6 +90,7 @@ impl Default for StandbyConfig {
             memory_limit: String::new(),
             warm_max_per_gpu: 32,
             warm_host_memory: "32G".into(),
+            restart_in_standby_domain: true,
         }
     }
 }

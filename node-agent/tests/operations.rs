@@ -349,6 +349,7 @@ fn a_held_resume_query_is_answered_when_the_server_recovers() {
             step_id: 0,
             pid: task.id(),
             wait_ms,
+            may_move: true,
         })
         .unwrap()
     {
@@ -361,4 +362,66 @@ fn a_held_resume_query_is_answered_when_the_server_recovers() {
         "the server still recovers"
     );
     assert_eq!(ask(1000), mpsr_proto::ResumeVerdict::Restart);
+}
+
+/// A resume task hit in the shared domain with no standby of its own is restarted at once in the
+/// GPU's standby domain, whose server runs (another task's standby waits there), while the
+/// shared server still recovers: its supervisor's next child is a client of that domain, the task
+/// is recorded there and the fault's record says so. The old way (its own server once ACTIVE) is
+/// what an agent told `restart_in_standby_domain = false` does.
+#[test]
+fn a_hit_task_restarts_at_once_in_the_running_standby_domain() {
+    for allowed in [true, false] {
+        let e = Env::new(&format!(
+            "[sim]\nrecovery_ms = 4000\n[standby]\nrestart_in_standby_domain = {allowed}\n"
+        ));
+        let (_sb, _) = standby_task(&e, 71);
+        let (_sup, err) = supervised_task(&e, 72, None);
+        e.wait_for(
+            "the standby in its domain, the task in the shared one",
+            |e| {
+                standby_clients(e).len() == 1
+                    && armed_standby(e, 71).is_some()
+                    && shared_clients(e).len() == 2
+            },
+        );
+        let standby = standby_clients(&e)[0];
+        e.inject(0, 43, None, Some(0));
+        e.wait_for("the restart", |_| {
+            std::fs::read_to_string(&err).is_ok_and(|t| t.contains("restarting in place"))
+        });
+        let text = std::fs::read_to_string(&err).unwrap();
+        let shared = status(&e).gpus[0].domains[0].clone();
+        assert!(shared.domain.is_shared());
+        if !allowed {
+            assert!(!text.contains("its clients in"), "{text}");
+            assert_eq!(shared.state, mpsr_proto::ServerState::Active, "{text}");
+            continue;
+        }
+        assert!(text.contains("its clients in gpu0/d"), "{text}");
+        assert_ne!(
+            shared.state,
+            mpsr_proto::ServerState::Active,
+            "restarted while the shared server recovers: {text}"
+        );
+        e.wait_for("the restarted child a client of the standby domain", |e| {
+            standby_clients(e).iter().any(|p| *p != standby)
+        });
+        let task = status(&e)
+            .tasks
+            .into_iter()
+            .find(|t| t.job_id == 72)
+            .unwrap();
+        assert!(
+            task.domains.iter().any(|d| !d.is_shared()),
+            "recorded in the standby domain: {task:?}"
+        );
+        e.wait_for("the outcome line", |e| {
+            e.events().iter().any(|f| {
+                f.outcomes.iter().any(|o| {
+                    matches!(o, FaultOutcome::RestartedElsewhere { job: 72, from, .. } if from.is_shared())
+                })
+            })
+        });
+    }
 }

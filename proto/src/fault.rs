@@ -389,6 +389,14 @@ pub enum FaultOutcome {
     },
     /// The task's standby was gone: restarted in place instead.
     StandbyGone { job: u32, step: u32, standby: u32 },
+    /// The hit task was restarted at once in `domain` (the GPU's standby domain, its server
+    /// running) while `from`, where the fault hit it, recovered; it runs there from now on.
+    RestartedElsewhere {
+        job: u32,
+        step: u32,
+        from: DomainId,
+        domain: DomainId,
+    },
     /// No domain showed an application fault: nobody was acted on.
     NoDomainShowed,
     /// The domain stayed in FAULT past `mps.fault_stuck_ms`: one rung of the escalation ladder
@@ -489,6 +497,16 @@ impl fmt::Display for FaultOutcome {
             FaultOutcome::StandbyGone { job, step, standby } => write!(
                 f,
                 "standby pid {standby} of task {job}.{} was gone: restarted in place instead",
+                step_name(*step)
+            ),
+            FaultOutcome::RestartedElsewhere {
+                job,
+                step,
+                from,
+                domain,
+            } => write!(
+                f,
+                "task {job}.{} restarted at once in {domain} while {from} recovers",
                 step_name(*step)
             ),
             FaultOutcome::NoDomainShowed => f.write_str(

@@ -178,6 +178,10 @@ fn is_zero(v: &u32) -> bool {
     *v == 0
 }
 
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
 /// Requests to the agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -232,6 +236,12 @@ pub enum Request {
         /// asks without it when refused so).
         #[serde(default, skip_serializing_if = "is_zero")]
         wait_ms: u32,
+        /// The supervisor can restart the task in another fault domain of its GPU (it sets the
+        /// task's MPS environment from `Resume.moved_to`): while the task's own server recovers,
+        /// the agent may answer `Restart` at once for the GPU's standby domain, whose server runs.
+        /// Not sent when false (as `wait_ms`).
+        #[serde(default, skip_serializing_if = "is_false")]
+        may_move: bool,
     },
     /// Node health for the health check.
     Health,
@@ -631,6 +641,11 @@ pub enum Response {
     Resume {
         verdict: ResumeVerdict,
         reason: String,
+        /// With `Restart` to a supervisor that may move the task: the fault domain it runs in
+        /// from now on (its clients' MPS environment), when not the one it was hit in. Left out
+        /// otherwise (a supervisor before 0.3 never asked, never sees it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        moved_to: Option<GpuContext>,
     },
     Health(HealthReply),
     Injected {
@@ -698,11 +713,14 @@ mod tests {
                 step_id: 0,
                 pid: 2,
                 wait_ms,
+                may_move: wait_ms > 0,
             })
             .unwrap()
         };
         assert!(!q(0).contains("wait_ms"), "{}", q(0));
+        assert!(!q(0).contains("may_move"), "{}", q(0));
         assert!(q(1000).contains("\"wait_ms\":1000"));
+        assert!(q(1000).contains("\"may_move\":true"));
         let p = |kind| {
             serde_json::to_string(&Request::StandbyPrepare {
                 job_id: 1,

@@ -3,8 +3,10 @@
 //! `srun --mps-resilient=resume mpsr-run -- ./app args` runs `./app` as a child. When the child dies
 //! abnormally, mpsr-run asks the node agent whether a GPU fault hit this task: if so, it waits until
 //! the GPU's MPS server is ACTIVE again and restarts the child in place (same task, same pid for
-//! Slurm); a culprit, a lost GPU, or a failure the agent knows nothing of ends the task with the
-//! child's status. Signals are forwarded to the child and stop further restarts.
+//! Slurm), or, where the agent says so, restarts it at once in the GPU's standby domain (whose
+//! server runs while the hit one recovers) and keeps it there; a culprit, a lost GPU, or a failure
+//! the agent knows nothing of ends the task with the child's status. Signals are forwarded to the
+//! child and stop further restarts.
 //!
 //! With a standby (`--mps-standby[=hot|warm]`: MPSR_STANDBY=1 or warm), it also runs a second
 //! incarnation of the command for another fault domain, which prepares itself and waits: a hot one
@@ -47,6 +49,12 @@ struct Opts {
     /// process and its CUDA context beside the task's first steps would slow them down.
     #[arg(long = "standby-delay-ms", value_name = "MS", default_value = "3000", value_parser = millis)]
     standby_delay: Duration,
+    /// Restart only in the task's own fault domain, once its server is ACTIVE again. Without it
+    /// the agent may restart a task hit in the GPU's shared domain at once in the GPU's standby
+    /// domain (when that one's server runs; the node's `[standby] restart_in_standby_domain`),
+    /// where it then runs: back sooner, but in another MPS server than its neighbours.
+    #[arg(long)]
+    same_domain: bool,
     /// The command and its arguments (after `--`, or from the first word that is not an option).
     #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     cmd: Vec<String>,
@@ -149,30 +157,56 @@ fn agent() -> Client {
 /// How long the agent may hold a "wait" verdict (it answers the moment the GPU is ready).
 const HOLD: Duration = Duration::from_millis(1000);
 
+/// What the agent said about this task's failed child.
+struct Verdict {
+    verdict: ResumeVerdict,
+    reason: String,
+    /// With `Restart`: the fault domain the task runs in from now on (its server runs while the
+    /// one the fault hit recovers).
+    moved_to: Option<mpsr_proto::GpuContext>,
+}
+
+fn said(verdict: ResumeVerdict, reason: String) -> Verdict {
+    Verdict {
+        verdict,
+        reason,
+        moved_to: None,
+    }
+}
+
 /// Asks the agent what to do about this task's failed child.
-fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
+fn verdict(o: &Opts, t: TaskId) -> Verdict {
     let client = agent();
     let mut req = Request::ResumeQuery {
         job_id: t.job,
         step_id: t.step,
         pid: std::process::id(),
         wait_ms: HOLD.as_millis() as u32,
+        may_move: !o.same_domain,
     };
     let settle_until = Instant::now() + o.settle;
     let wait_until = Instant::now() + o.wait;
     loop {
         let asked = Instant::now();
         match client.call(&req) {
-            Ok(Response::Resume { verdict, reason }) => match verdict {
+            Ok(Response::Resume {
+                verdict,
+                reason,
+                moved_to,
+            }) => match verdict {
                 ResumeVerdict::Restart | ResumeVerdict::Fail | ResumeVerdict::TakenOver => {
-                    return (verdict, reason)
+                    return Verdict {
+                        verdict,
+                        reason,
+                        moved_to,
+                    }
                 }
                 // The fault may not have reached the agent yet: give it the settle time.
                 ResumeVerdict::NotHit if Instant::now() >= settle_until => {
-                    return (verdict, reason)
+                    return said(verdict, reason)
                 }
                 ResumeVerdict::Wait if Instant::now() >= wait_until => {
-                    return (
+                    return said(
                         ResumeVerdict::Fail,
                         format!("GPU not ready after {} s: {reason}", o.wait.as_secs()),
                     )
@@ -182,24 +216,28 @@ fn verdict(o: &Opts, t: TaskId) -> (ResumeVerdict, String) {
                 ResumeVerdict::Wait if asked.elapsed() >= HOLD / 2 => continue,
                 _ => {}
             },
-            // An agent before 0.3 refuses the hold it does not know (a rolling upgrade half
-            // done): ask as before, polling.
+            // An agent before 0.3 refuses the fields it does not know (a rolling upgrade half
+            // done): ask as before, polling, restarting in place.
             Ok(Response::Error {
                 code: mpsr_proto::ErrorCode::BadRequest,
                 ..
             }) if matches!(req, Request::ResumeQuery { wait_ms, .. } if wait_ms > 0) => {
-                if let Request::ResumeQuery { wait_ms, .. } = &mut req {
+                if let Request::ResumeQuery {
+                    wait_ms, may_move, ..
+                } = &mut req
+                {
                     *wait_ms = 0;
+                    *may_move = false;
                 }
                 continue;
             }
             Ok(Response::Error { message, .. }) => {
-                return (ResumeVerdict::NotHit, format!("agent refused: {message}"))
+                return said(ResumeVerdict::NotHit, format!("agent refused: {message}"))
             }
-            Ok(other) => return (ResumeVerdict::NotHit, format!("unexpected reply {other:?}")),
+            Ok(other) => return said(ResumeVerdict::NotHit, format!("unexpected reply {other:?}")),
             Err(e) => {
                 if Instant::now() >= settle_until {
-                    return (ResumeVerdict::NotHit, e.to_string());
+                    return said(ResumeVerdict::NotHit, e.to_string());
                 }
             }
         }
@@ -256,13 +294,11 @@ fn start_standby(
         Ok(other) => return Err(format!("unexpected reply {other:?}")),
         Err(e) => return Err(e.to_string()),
     };
-    let mut env = vec![
-        ("CUDA_MPS_PIPE_DIRECTORY", ctx.pipe_dir.clone()),
-        ("CUDA_MPS_LOG_DIRECTORY", ctx.log_dir.clone()),
-        ("MPSR_DOMAIN", ctx.domain.to_string()),
+    let mut env = domain_env(&ctx);
+    env.extend([
         (standby::ROLE_ENV, kind.role().to_string()),
         (standby::FIFO_ENV, fifo),
-    ];
+    ]);
     if let Some(bytes) = mem {
         env.push((
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
@@ -288,6 +324,15 @@ fn start_standby(
             Err(format!("the agent did not arm it: {why}"))
         }
     }
+}
+
+/// The MPS environment of an incarnation whose clients use fault domain `ctx`.
+fn domain_env(ctx: &mpsr_proto::GpuContext) -> Vec<(&'static str, String)> {
+    vec![
+        ("CUDA_MPS_PIPE_DIRECTORY", ctx.pipe_dir.clone()),
+        ("CUDA_MPS_LOG_DIRECTORY", ctx.log_dir.clone()),
+        ("MPSR_DOMAIN", ctx.domain.to_string()),
+    ]
 }
 
 fn kill(pid: u32, sig: libc::c_int) {
@@ -341,6 +386,9 @@ fn main() -> ExitCode {
     let mut restarts = 0u32;
     let mut primary: Option<u32> = None;
     let mut standby: Option<u32> = None;
+    // The primary's MPS environment when the task was restarted in another fault domain than the
+    // one Slurm's environment names (empty: that one).
+    let mut home: Vec<(&'static str, String)> = Vec::new();
     // When the next standby may start: at once, or a while after a takeover (starting a process
     // and its CUDA context beside the task's first steps would slow them down).
     let mut standby_due = Instant::now();
@@ -350,7 +398,7 @@ fn main() -> ExitCode {
             Some(p) => p,
             None => {
                 started = Instant::now();
-                match spawn(&o, restarts, &[]) {
+                match spawn(&o, restarts, &home) {
                     Ok(p) => p,
                     Err(e) => {
                         eprintln!("mpsr-run: cannot start {}: {e}", o.cmd[0]);
@@ -420,7 +468,11 @@ fn main() -> ExitCode {
         let Some(t) = task else {
             return ExitCode::from(code);
         };
-        let (v, reason) = verdict(&o, t);
+        let Verdict {
+            verdict: v,
+            reason,
+            moved_to,
+        } = verdict(&o, t);
         match v {
             ResumeVerdict::TakenOver => {
                 // The standby is the task's process now; a new standby is prepared for it.
@@ -434,14 +486,21 @@ fn main() -> ExitCode {
             ResumeVerdict::Restart if restarts < o.max_restarts => {
                 end_standby(standby.take());
                 restarts += 1;
+                if let Some(ctx) = &moved_to {
+                    home = domain_env(ctx);
+                }
                 // The agent said the GPU is ready: the first restart goes at once; later ones
                 // back off (a task that faults again and again must not spin).
                 let backoff = match restarts {
                     1 => Duration::ZERO,
                     n => o.backoff * 2u32.saturating_pow(n - 2).min(64),
                 };
+                let domain = moved_to
+                    .as_ref()
+                    .map(|c| format!(", its clients in {} from now on", c.domain))
+                    .unwrap_or_default();
                 eprintln!(
-                    "mpsr-run: child exited with status {code} after {:.1} s; {reason}; restarting in place ({restarts}/{})",
+                    "mpsr-run: child exited with status {code} after {:.1} s; {reason}; restarting in place ({restarts}/{}){domain}",
                     started.elapsed().as_secs_f64(),
                     o.max_restarts
                 );
@@ -496,5 +555,7 @@ mod tests {
         assert!(parse(&a(&["--max-restarts"])).is_err());
         assert!(parse(&a(&["--max-restarts", "x", "--", "a"])).is_err());
         assert!(parse(&a(&["--bogus", "--", "a"])).is_err());
+        assert!(!parse(&a(&["app"])).unwrap().same_domain);
+        assert!(parse(&a(&["--same-domain", "app"])).unwrap().same_domain);
     }
 }

@@ -20,7 +20,14 @@ import torch  # noqa: E402
 import mpsr_state  # noqa: E402
 
 if os.environ.get("MPSR_ROLE") == "warm":
-    print(f"READY role=warm wall={time.time():.6f} import_s={time.time() - t_start:.3f}", flush=True)
+    if os.environ.get("SERVE_WARM_INIT") == "1":
+        # An experiment: the driver initialized (cuInit) before waiting, no context made. Does
+        # it cost GPU memory or make the process an MPS client, and what does it save?
+        import ctypes
+        t0 = time.time()
+        rc = ctypes.CDLL("libcuda.so.1").cuInit(0)
+        print(f"CUINIT rc={rc} s={time.time() - t0:.3f}", flush=True)
+    print(f"READY role=warm pid={os.getpid()} wall={time.time():.6f} import_s={time.time() - t_start:.3f}", flush=True)
     mpsr_state.before_cuda()
     print(f"RELEASED wall={time.time():.6f}", flush=True)
 

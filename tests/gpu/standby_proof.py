@@ -16,9 +16,12 @@ standby; the driver's report time of a fault beside them).
         python3 tests/gpu/standby_proof.py [N_PER_KIND]
 
 STANDBY_PROOF_ONLY=takeover,serving,cost picks the parts (default all); SERVE_RUNS (default 5),
-SERVE_SECONDS (30); TAKEOVER_MODES (standby,warm,restart), TAKEOVER_KINDS (xid43,xid13_43,xid31),
-APP_MIB (the kept state of the C task, 64); SERVE_MODES (standby,warm,restart,plain); COST_KINDS
-(hot,warm). A build before 0.3 (no warm standby) runs with TAKEOVER_MODES=restart.
+SERVE_SECONDS (30); TAKEOVER_MODES (standby,warm,restart,restart_own: restart may move the task to
+the standby domain at once, restart_own waits for its own server), TAKEOVER_KINDS
+(xid43,xid13_43,xid31), APP_MIB (the kept state of the C task, 64); SERVE_MODES
+(standby,warm,restart,plain; warm_init: a warm standby that ran cuInit before waiting, an
+experiment); COST_KINDS (hot,warm). A build before 0.3 (no warm standby) runs with
+TAKEOVER_MODES=restart.
 """
 
 import json
@@ -44,7 +47,7 @@ class Supervised(Output):
 
     WAIT = 60
 
-    def __init__(self, job, argv, standby, env=None):
+    def __init__(self, job, argv, standby, env=None, run_args=""):
         e = dict(os.environ)
         e.update(
             SLURM_JOB_ID=str(job), SLURM_STEP_ID="0", MPSR_SOCKET=str(g.SOCK),
@@ -57,7 +60,7 @@ class Supervised(Output):
             e["MPSR_STANDBY"] = "1" if standby == "hot" else standby
         e.update(env or {})
         cmd = " ".join(map(str, argv))
-        self.p = subprocess.Popen(["/bin/sh", "-c", f"read go; exec {g.BIN}/mpsr-run --backoff-ms 0 -- {cmd}"],
+        self.p = subprocess.Popen(["/bin/sh", "-c", f"read go; exec {g.BIN}/mpsr-run --backoff-ms 0 {run_args} -- {cmd}"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, env=e)
         self.pid = self.p.pid
@@ -123,10 +126,10 @@ def server_fatal_line_after(t):
     return None
 
 
-def one_fault(kmsg, job, kind, standby, app):
+def one_fault(kmsg, job, kind, standby, app, run_args=""):
     """One resume task (with a "hot" or "warm" standby, or none), a culprit job in the same shared
     server that faults; returns the measurements or None."""
-    t = Supervised(job, app, standby)
+    t = Supervised(job, app, standby, run_args=run_args)
     if not t.registered:
         say(f"  register failed for job {job}")
         t.stop()
@@ -164,7 +167,14 @@ def one_fault(kmsg, job, kind, standby, app):
             "xid_record_ms": round((xid[0][0] - t_fault) * 1000, 1) if xid else None,
             "bad_words": int(field(first, "bad")), "redo": int(field(first, "redo")),
             "restarted": any("restarting in place" in l for _, l in t.lines),
+            # Restarted at once in the standby domain (mpsr-run names the domain it moved to).
+            "moved": any("its clients in" in l for _, l in t.lines),
         }
+        # Where the time went, from the fault: the incarnation's process start (a restart's; a
+        # standby's was long before), its CUDA context, its kept state attached.
+        for k in ("began", "ctx", "attached"):
+            v = field(first, k)
+            res[f"{k}_ms"] = round((float(v) - t_fault) * 1000, 1) if v else None
     else:
         say(f"  job {job}: no measurement: culprit {culprit.text()[-300:]} | task {t.text()[-800:]}")
     t.stop()
@@ -176,14 +186,17 @@ def takeover_cases(kmsg, n):
     kinds = {"xid43": "trap", "xid13_43": "misaligned", "xid31": "illegal"}
     picked = os.environ.get("TAKEOVER_KINDS", ",".join(kinds)).split(",")
     kinds = {k: v for k, v in kinds.items() if k in picked}
-    modes = os.environ.get("TAKEOVER_MODES", "standby,warm,restart").split(",")
+    modes = os.environ.get("TAKEOVER_MODES", "standby,warm,restart,restart_own").split(",")
     app = [g.W / "standby_app", "serve", int(os.environ.get("APP_MIB", "64")), 20]
     out = {}
     job = 3000
-    sb = {"standby": "hot", "warm": "warm", "restart": None}
+    sb = {"standby": "hot", "warm": "warm", "restart": None, "restart_own": None}
+    # restart: the agent may restart the task at once in the GPU's standby domain (its server
+    # runs: the earlier modes started it); restart_own: only in its own domain once ACTIVE.
+    run_args = {"restart_own": "--same-domain"}
     for name, kind in kinds.items():
         for mode in modes:
-            if mode == "restart" and name != "xid43" and n > 5:
+            if mode.startswith("restart") and name != "xid43" and n > 5:
                 runs = max(5, n // 4)  # the restart path is the baseline: fewer runs of the slower kinds
             else:
                 runs = n
@@ -191,7 +204,7 @@ def takeover_cases(kmsg, n):
             say(f"=== {name} {mode}: {runs} faults")
             for i in range(runs):
                 job += 1
-                r = one_fault(kmsg, job, kind, sb[mode], app)
+                r = one_fault(kmsg, job, kind, sb[mode], app, run_args.get(mode, ""))
                 if r:
                     rows.append(r)
             out[f"{name}_{mode}"] = {
@@ -200,13 +213,25 @@ def takeover_cases(kmsg, n):
                 "xid_record_ms": summary([r["xid_record_ms"] for r in rows if r["xid_record_ms"] is not None]),
                 "server_line_ms": summary([r["server_line_ms"] for r in rows if r["server_line_ms"] is not None]),
             }
+            for k in ("fault_to_release", "began", "ctx", "attached"):
+                xs = [r[f"{k}_ms"] for r in rows if r.get(f"{k}_ms") is not None]
+                if xs:
+                    out[f"{name}_{mode}"][f"{k}_ms"] = summary(xs)
             s = out[f"{name}_{mode}"]
             say(f"  {name} {mode}: fault -> first kernel on kept state {s['fault_to_first_kernel_ms']}; "
                 f"Xid record {s['xid_record_ms']}; server's fatal line {s['server_line_ms']}")
+            p50 = lambda k: (s.get(f"{k}_ms") or {}).get("p50")
+            say(f"  {name} {mode} p50 from the fault: release {p50('fault_to_release')}, process start "
+                f"{p50('began')}, context {p50('ctx')}, attached {p50('attached')}, first kernel "
+                f"{s['fault_to_first_kernel_ms']['p50']} ms; moved to the standby domain: {s.get('moved', '-')}")
             check(f"{name}_{mode}", len(rows) >= max(1, runs * 3 // 4), f"{len(rows)}/{runs} faults measured")
             check(f"{name}_{mode}", all(r["bad_words"] == 0 for r in rows), "the kept state was consistent every time")
-            if mode != "restart":
+            if not mode.startswith("restart"):
                 check(f"{name}_{mode}", not any(r["restarted"] for r in rows), "no restart: the standby took over")
+            if mode == "restart_own":
+                check(f"{name}_{mode}", not any(r["moved"] for r in rows), "restarted in its own domain")
+            if mode == "restart":
+                out[f"{name}_{mode}"]["moved"] = sum(r["moved"] for r in rows)
     return out
 
 
@@ -216,13 +241,15 @@ def serving_case(kmsg, runs):
     job = 6000
     secs = int(os.environ.get("SERVE_SECONDS", "30"))
     for mode in os.environ.get("SERVE_MODES", "standby,warm,restart,plain").split(","):
-        gaps, nexts = [], []
+        gaps, nexts, phases, waiting_mib = [], [], [], []
         for i in range(runs):
             job += 1
             args = [sys.executable, g.ROOT / "tests/gpu/serve_standby.py", secs] + (["plain"] if mode == "plain" else [])
-            t = Supervised(job, args, {"standby": "hot", "warm": "warm"}.get(mode))
+            # warm_init: a warm standby that initialized the driver (cuInit) before waiting.
+            env = {"SERVE_WARM_INIT": "1"} if mode == "warm_init" else None
+            t = Supervised(job, args, {"standby": "hot", "warm": "warm", "warm_init": "warm"}.get(mode), env=env)
             # The primary serves; a standby has printed READY and waits.
-            want = 2 if mode in ("standby", "warm") else 1
+            want = 2 if mode in ("standby", "warm", "warm_init") else 1
             end = time.time() + 120
             while (len(t.lines_with("READY role=")) < want or not t.lines_with("SERVING")) \
                     and time.time() < end and t.p.poll() is None:
@@ -232,6 +259,12 @@ def serving_case(kmsg, runs):
                 t.stop()
                 continue
             time.sleep(1.0)
+            # What a waiting warm standby holds on the GPU (nvidia-smi lists it only with memory).
+            w = [field(l, "pid") for _, l in t.lines_with("READY role=warm")]
+            if w and w[0]:
+                mem = sh("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits").stdout
+                waiting_mib.append(sum(int(m.split(",")[1]) for m in mem.splitlines()
+                                       if m.split(",")[0].strip() == w[0]))
             culprit = Task(job + 5000, None, [g.W / "standby_app", "fault", "trap", "0.3"])
             faulting = culprit.wait_line("FAULTING", 30)
             # Answers again after the fault for a second.
@@ -257,6 +290,16 @@ def serving_case(kmsg, runs):
                     gaps.append(gap)
                     after = [a for a in answers if a > tf]
                     nexts.append(round((after[0] - tf) * 1000, 1))
+                    # A warm start's split, from the fault: released, context + attach, torch's
+                    # view, the input, the reference pass, the first answer.
+                    rel = [float(field(l, "wall")) for _, l in t.lines_with("RELEASED") if float(field(l, "wall")) > tf]
+                    ph = [l for _, l in t.lines_with("PHASES") if float(field(l, "attach_s")) > tf]
+                    if rel and ph:
+                        ms = lambda x: round((x - tf) * 1000, 1)
+                        phases.append({"released": ms(rel[0]), "attached": ms(float(field(ph[0], "attach_s"))),
+                                       "torch": ms(float(field(ph[0], "torch_s"))), "input": ms(float(field(ph[0], "input_s"))),
+                                       "reference": ms(float(field(ph[0], "ref_s"))), "answer": ms(after[0])})
+                        say(f"  serve {mode} #{i}: from the fault (ms): {phases[-1]}")
                     took = any("took over" in l for _, l in t.lines)
                     restarted = any("restarting in place" in l for _, l in t.lines)
                     say(f"  serve {mode} #{i}: longest gap between answers across the fault {gap} ms, "
@@ -265,6 +308,11 @@ def serving_case(kmsg, runs):
             t.stop()
             wait_server_ready(20)
         out[mode] = {"gaps_ms": gaps, **summary(gaps), "fault_to_next_answer_ms": summary(nexts)}
+        if phases:
+            out[mode]["phases_ms"] = {k: summary([p[k] for p in phases]) for k in phases[0]}
+        if waiting_mib:
+            out[mode]["waiting_gpu_mib"] = waiting_mib
+            say(f"  serve {mode}: a waiting warm standby's GPU memory (MiB): {waiting_mib}")
         check(f"serve_{mode}", len(gaps) >= max(1, runs - 1), f"{len(gaps)}/{runs} serving gaps measured")
     return out
 

@@ -1,5 +1,6 @@
 //! After a fault: watches each hit domain's server back to ACTIVE, clears healed GPUs, and answers
-//! resume supervisors (restart once the task's own server is ACTIVE).
+//! resume supervisors (restart once the task's own server is ACTIVE, or at once in the GPU's
+//! running standby domain).
 //!
 //! A server stays in FAULT until every client it poisoned is gone. After `mps.fault_grace_ms`,
 //! the clients that belong to a hit job (already dead in GPU terms: their next CUDA call fails)
@@ -283,17 +284,21 @@ impl Recovery {
         }
     }
 
-    pub fn resume_verdict(&self, key: crate::store::registry::TaskKey) -> (ResumeVerdict, String) {
+    /// What a hit task's supervisor is to do. With `may_move` (the supervisor can restart the
+    /// task elsewhere, and the node allows it), a task whose shared server still recovers is
+    /// restarted at once in the GPU's standby domain when that domain's server runs: its new
+    /// context is made while the old server recovers (the verdict's domain says where).
+    pub fn resume_verdict(&self, key: crate::store::registry::TaskKey, may_move: bool) -> Verdict {
         let entry = self.store.lock().durable.resume.get(key).cloned();
         let Some(e) = entry.filter(|e| !e.consumed) else {
-            return (ResumeVerdict::NotHit, "no fault known for this task".into());
+            return Verdict::new(ResumeVerdict::NotHit, "no fault known for this task".into());
         };
         let done = |v: ResumeVerdict, why: String| {
             if let Some(e) = self.store.lock().durable.resume.get_mut(key) {
                 e.consumed = true;
             }
             self.store.mark_dirty();
-            (v, why)
+            Verdict::new(v, why)
         };
         if let Some(why) = e.fail {
             return done(ResumeVerdict::Fail, why);
@@ -313,7 +318,7 @@ impl Recovery {
             .unwrap_or_else(|| format!("fault {}", e.fault_id));
         match e.takeover {
             Some(Takeover::Releasing(pid)) => {
-                return (
+                return Verdict::new(
                     ResumeVerdict::Wait,
                     format!("hit by {fault}; standby pid {pid} being released"),
                 )
@@ -333,10 +338,82 @@ impl Recovery {
                 format!("hit by {fault} on {domain}; MPS server ACTIVE again"),
             ),
             ServerState::Lost => done(ResumeVerdict::Fail, format!("gpu{} is lost", e.gpu)),
-            s => (
-                ResumeVerdict::Wait,
-                format!("hit by {fault}; {domain} server is {s:?}"),
-            ),
+            s => {
+                if may_move {
+                    if let Some(to) = self.move_now(key, e.fault_id, domain) {
+                        let mut v = done(
+                            ResumeVerdict::Restart,
+                            format!(
+                                "hit by {fault} on {domain} (its server {s:?}); {to}'s server runs"
+                            ),
+                        );
+                        v.moved_to = Some(to);
+                        return v;
+                    }
+                }
+                Verdict::new(
+                    ResumeVerdict::Wait,
+                    format!("hit by {fault}; {domain} server is {s:?}"),
+                )
+            }
+        }
+    }
+
+    /// Moves a task hit in `from` to the GPU's standby domain if that one's server runs (ACTIVE:
+    /// a new client's context is made at once; a server still to start would come no sooner
+    /// than `from`'s recovery); where it went.
+    fn move_now(
+        &self,
+        task: crate::store::registry::TaskKey,
+        fault_id: u64,
+        from: DomainId,
+    ) -> Option<DomainId> {
+        let to = {
+            let st = self.store.lock();
+            st.durable
+                .domains
+                .restart_elsewhere(from)
+                .filter(|d| !st.recovering.contains_key(d))?
+        };
+        // Asked outside the state lock (an MPS control command).
+        if self.backend.server_state(to) != ServerState::Active {
+            return None;
+        }
+        let mut st = self.store.lock();
+        st.move_task(fault_id, task, to);
+        self.store.record(
+            &mut st,
+            fault_id,
+            Some(task.0),
+            FaultOutcome::RestartedElsewhere {
+                job: task.0,
+                step: task.1,
+                from,
+                domain: to,
+            },
+        );
+        drop(st);
+        self.store.mark_dirty();
+        tracing::info!(fault_id, job = task.0, pid = task.2, %from, %to, "hit task restarted in the standby domain while its server recovers");
+        Some(to)
+    }
+}
+
+/// What a resume supervisor is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub verdict: ResumeVerdict,
+    pub reason: String,
+    /// With `Restart`: the domain the task runs in from now on, when not the one it was hit in.
+    pub moved_to: Option<DomainId>,
+}
+
+impl Verdict {
+    fn new(verdict: ResumeVerdict, reason: String) -> Verdict {
+        Verdict {
+            verdict,
+            reason,
+            moved_to: None,
         }
     }
 }

@@ -103,33 +103,12 @@ pub fn release_standby(store: &Store, r: Release) {
     }
     if released {
         st.totals.entry(gpu).or_default().takeovers += 1;
-        move_to_standby_domain(&mut st, &r);
+        st.move_task(r.fault_id, r.task, r.standby.domain);
     }
     store.record(&mut st, r.fault_id, Some(job), o);
     drop(st);
     store.mark_dirty();
     store.recovery_changed();
-}
-
-/// The task runs in its standby's domain now: its next fault is that domain's. This fault's
-/// re-decisions still see it where the fault found it.
-fn move_to_standby_domain(st: &mut crate::store::state::State, r: &Release) {
-    let d = r.standby.domain;
-    let Some(t) = st.durable.registry.get_mut(r.task) else {
-        return;
-    };
-    let from = t
-        .domain_on(d.gpu)
-        .unwrap_or(mpsr_proto::DomainId::shared(d.gpu));
-    t.domains.retain(|x| x.gpu != d.gpu);
-    if !d.is_shared() {
-        t.domains.push(d);
-    }
-    st.moved.push(crate::store::state::Moved {
-        fault_id: r.fault_id,
-        task: r.task,
-        from,
-    });
 }
 
 /// Ends a standby whose own server faulted (poisoned: it would hold that server in FAULT).

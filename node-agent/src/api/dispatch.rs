@@ -69,7 +69,8 @@ pub fn handle(agent: &Agent, peer: PeerCred, req: Request) -> Response {
             step_id,
             pid,
             wait_ms,
-        } => tasks::resume_query(agent, caller, (job_id, step_id, pid), wait_ms),
+            may_move,
+        } => tasks::resume_query(agent, caller, (job_id, step_id, pid), wait_ms, may_move),
         Request::TaskOf { pid } => tasks::task_of(agent, pid),
         Request::StandbyPrepare {
             job_id,

@@ -129,6 +129,7 @@ pub fn resume_query(
     caller: Caller,
     (job_id, step_id, pid): TaskKey,
     wait_ms: u32,
+    may_move: bool,
 ) -> Response {
     let (peer, trusted) = (caller.peer, caller.trusted);
     let task = {
@@ -150,6 +151,7 @@ pub fn resume_query(
             return Response::Resume {
                 verdict: mpsr_proto::ResumeVerdict::NotHit,
                 reason: format!("task {job_id}.{step_id} pid {pid} is not registered"),
+                moved_to: None,
             };
         }
         return denied(format!(
@@ -165,12 +167,30 @@ pub fn resume_query(
     }
     // A verdict to wait for is held (bounded) and answered the moment the recovery changes.
     let until = Instant::now() + Duration::from_millis(u64::from(wait_ms.min(MAX_HOLD_MS)));
+    let may_move = may_move && agent.cfg.standby.restart_in_standby_domain;
     loop {
         let seen = agent.store.recovery_seen();
-        let (verdict, reason) = agent.recovery.resume_verdict((t.job_id, t.step_id, t.pid));
+        let v = agent
+            .recovery
+            .resume_verdict((t.job_id, t.step_id, t.pid), may_move);
         let left = until.saturating_duration_since(Instant::now());
-        if verdict != mpsr_proto::ResumeVerdict::Wait || left.is_zero() {
-            return Response::Resume { verdict, reason };
+        if v.verdict != mpsr_proto::ResumeVerdict::Wait || left.is_zero() {
+            let moved_to = v.moved_to.map(|domain| {
+                context(
+                    agent,
+                    &Placement {
+                        domain,
+                        isolation: Isolation::Shared,
+                        quarantined: false,
+                        quarantine_waived: false,
+                    },
+                )
+            });
+            return Response::Resume {
+                verdict: v.verdict,
+                reason: v.reason,
+                moved_to,
+            };
         }
         // Woken by the change; the slice bounds what a missed one (a backend that recovered
         // without the health loop seeing it yet) costs.

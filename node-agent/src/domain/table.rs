@@ -306,6 +306,21 @@ impl DomainTable {
         self.place_as(policy, of.gpu, Tenancy::Standby, 0, (None, None))
     }
 
+    /// Where a task hit in the shared domain `of` may restart while `of` recovers: the GPU's
+    /// existing standby domain (not fenced). None for a task in any other domain (a job's or a
+    /// user's own server keeps the isolation it was placed for) or where the GPU has none (one
+    /// is not made for a restart: a new server starts no sooner than the old one recovers).
+    pub fn restart_elsewhere(&self, of: DomainId) -> Option<DomainId> {
+        if self.tenancy(of) != Tenancy::Shared {
+            return None;
+        }
+        self.domains
+            .iter()
+            .find(|r| r.id.gpu == of.gpu && r.tenancy == Tenancy::Standby)
+            .map(|r| r.id)
+            .filter(|id| !self.is_fenced(*id))
+    }
+
     /// The last registered task of domain `id` left: it is empty from now on, so placement may
     /// take it over at once (the linger loop only stops its daemon later).
     pub fn mark_empty(&mut self, id: DomainId, now_ms: u64) {

@@ -486,7 +486,8 @@ pub struct FaultTotals {
     pub takeovers: u64,
 }
 
-/// A task that took over, moved from `from` while fault `fault_id` was being decided.
+/// A task that moved (its standby took over, or it restarted elsewhere) from `from` while fault
+/// `fault_id` was being decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Moved {
     pub fault_id: u64,
@@ -528,6 +529,30 @@ impl State {
         gpus.into_iter()
             .flat_map(|g| self.domains_of_gpu(g))
             .collect()
+    }
+
+    /// Task `task` runs in domain `to` from now on (its standby there took over, or it restarted
+    /// there): its next fault is that domain's. Fault `fault_id`'s re-decisions still see it where
+    /// the fault found it.
+    pub fn move_task(
+        &mut self,
+        fault_id: u64,
+        task: crate::store::registry::TaskKey,
+        to: DomainId,
+    ) {
+        let Some(t) = self.durable.registry.get_mut(task) else {
+            return;
+        };
+        let from = t.domain_on(to.gpu).unwrap_or(DomainId::shared(to.gpu));
+        t.domains.retain(|x| x.gpu != to.gpu);
+        if !to.is_shared() {
+            t.domains.push(to);
+        }
+        self.moved.push(Moved {
+            fault_id,
+            task,
+            from,
+        });
     }
 
     /// Every domain of a GPU whose daemon the agent runs (the shared one first).

@@ -572,27 +572,32 @@ pub fn standby_task(e: &Env, job: u32) -> (Proc, PathBuf) {
 
 /// As `standby_task`, with `MPSR_STANDBY` set to `kind` (`1`/`hot` or `warm`).
 pub fn standby_task_of(e: &Env, job: u32, kind: &str) -> (Proc, PathBuf) {
+    supervised_task(e, job, Some(kind))
+}
+
+/// A resume-mode task under mpsr-run in the GPU's shared domain, with a standby of `kind` (the
+/// value of `MPSR_STANDBY`) or none; mpsr-run and its stderr file.
+pub fn supervised_task(e: &Env, job: u32, kind: Option<&str>) -> (Proc, PathBuf) {
     let run = Path::new(env!("CARGO_BIN_EXE_mpsr-agent")).with_file_name("mpsr-run");
     let err = e.path().join(format!("mpsr-run-{job}.err"));
     // Registered (as slurmstepd does before the task execs) before mpsr-run asks for a standby.
-    let sup = Proc(
-        Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "sleep 0.5; exec {} --backoff-ms 0 -- {} --seconds 60",
-                run.display(),
-                simclient().display()
-            ))
-            .env("SLURM_JOB_ID", job.to_string())
-            .env("SLURM_STEP_ID", "0")
-            .env("MPSR_SOCKET", e.sock())
-            .env("MPSR_STANDBY", kind)
-            .env("CUDA_MPS_PIPE_DIRECTORY", e.path().join("run/gpu0/pipe"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&err).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "sleep 0.5; exec {} --backoff-ms 0 -- {} --seconds 60",
+            run.display(),
+            simclient().display()
+        ))
+        .env("SLURM_JOB_ID", job.to_string())
+        .env("SLURM_STEP_ID", "0")
+        .env("MPSR_SOCKET", e.sock())
+        .env("CUDA_MPS_PIPE_DIRECTORY", e.path().join("run/gpu0/pipe"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap());
+    if let Some(kind) = kind {
+        c.env("MPSR_STANDBY", kind);
+    }
+    let sup = Proc(c.spawn().unwrap());
     e.register(job, sup.id(), &[0], Mode::Resume, false);
     (sup, err)
 }
@@ -607,6 +612,16 @@ pub fn armed_standby(e: &Env, job: u32) -> Option<u32> {
             .and_then(|t| t.standby.map(|(pid, _)| pid)),
         _ => None,
     }
+}
+
+/// The clients of GPU 0's shared domain.
+pub fn shared_clients(e: &Env) -> Vec<u32> {
+    status(e).gpus[0]
+        .domains
+        .iter()
+        .filter(|d| d.domain.is_shared())
+        .flat_map(|d| d.clients.clone())
+        .collect()
 }
 
 pub fn standby_clients(e: &Env) -> Vec<u32> {

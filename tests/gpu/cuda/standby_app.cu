@@ -13,6 +13,7 @@
 //         READY role=<primary|standby> origin=<0|1|2> wall=<t>
 //         READY role=warm wall=<t>                (a warm standby, before it waits)
 //         FIRST_KERNEL how=<start|takeover|restart> released=<t> done=<t> gen=<g> bad=<n> redo=<0|1>
+//                      began=<t> ctx=<t> attached=<t>   (process start, context made, state attached)
 //         KEEP_ERROR <code> <text> wall=<t>       (the primary hit by a fault)
 //   standby_app fault illegal|trap|misaligned DELAY
 //       One faulting kernel after DELAY s (Xid 31 / 43 / 13+43); prints FAULTING wall=<t> just
@@ -73,6 +74,7 @@ static const char *role_env() {
 }
 
 static int serve(size_t mib, double secs, bool idle) {
+  double began = wall();
   // A warm standby waits here, before its first CUDA call: no context, no GPU memory.
   int warm = 0;
   double released = 0;
@@ -84,6 +86,7 @@ static int serve(size_t mib, double secs, bool idle) {
   }
   cudaError_t e = cudaFree(0);
   if (e) { OUT("INIT_ERROR %d %s\n", (int)e, cudaGetErrorString(e)); return 1; }
+  double ctx = wall();
   void *p; int origin = 0;
   size_t bytes = mib << 20;
   if (idle) {
@@ -93,6 +96,7 @@ static int serve(size_t mib, double secs, bool idle) {
     OUT("ATTACH_ERROR %s\n", mpsr_state_last_error());
     return 1;
   }
+  double attached = wall();
   unsigned *gen = (unsigned *)p, *d = gen + 64;  // the counter in its own 256-byte line
   size_t n = bytes / 4 - 64;
   unsigned long long *cnt;
@@ -120,7 +124,8 @@ static int serve(size_t mib, double secs, bool idle) {
   if (e) { OUT("KEEP_ERROR %d %s wall=%.6f\n", (int)e, cudaGetErrorString(e), wall()); return 1; }
   int redo = h[1] > 0;
   if (redo) { fill<<<264, 256>>>(d, n, g + 1); bump<<<1, 1>>>(gen); }
-  OUT("FIRST_KERNEL how=%s released=%.6f done=%.6f gen=%u bad=%llu redo=%d\n", how, released, done, g, h[0], redo);
+  OUT("FIRST_KERNEL how=%s released=%.6f done=%.6f gen=%u bad=%llu redo=%d began=%.6f ctx=%.6f attached=%.6f\n",
+      how, released, done, g, h[0], redo, began, ctx, attached);
   double end = wall() + secs;
   while (wall() < end) {
     if (idle) { usleep(100000); continue; }
