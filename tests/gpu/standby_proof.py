@@ -371,7 +371,8 @@ def cost_case(kmsg):
     sp, sl = str(g.W / "run/gpu0/pipe"), str(g.W / "run/gpu0/log")
     job = 8000
     for kind in os.environ.get("COST_KINDS", "hot,warm").split(","):
-        role = {"hot": "standby", "warm": "warm"}[kind]
+        # warm_init: warm ones that ran cuInit before waiting (an experiment: GPU memory, report).
+        role = {"hot": "standby", "warm": "warm", "warm_init": "warm"}[kind]
         for n in (0, 4, 16):
             if n == 0 and kind != "hot" and "hot_standbys_0" in out:
                 out[f"{kind}_standbys_0"] = out["hot_standbys_0"]
@@ -383,6 +384,8 @@ def cost_case(kmsg):
                     fifo.unlink()
                 os.mkfifo(fifo)
                 e = {"MPSR_ROLE": role, "MPSR_STANDBY_FIFO": str(fifo)}
+                if kind == "warm_init":
+                    e["STANDBY_WARM_INIT"] = "1"
                 standbys.append(g.Proc("standby", 0, str(pipe), str(logd),
                                        argv=[str(g.W / "standby_app"), "serve", "64", "60", "idle"], env=e))
             for p in standbys:
@@ -419,7 +422,7 @@ def cost_case(kmsg):
                 f"fault report: server line {report['server_line_ms']}, Xid record {report['xid_record_ms']}")
             if kind == "warm" and n:
                 check(f"cost_{key}", out[key]["gpu_mib_per_standby"] == 0, "a warm standby holds no GPU memory")
-    for kind in ("hot", "warm"):
+    for kind in ("hot", "warm", "warm_init"):
         base = out.get(f"{kind}_standbys_0", {}).get("sum")
         for n in (4, 16):
             k = f"{kind}_standbys_{n}"
@@ -435,7 +438,7 @@ def main():
     say(f"GPU: {sh('nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader').stdout.strip()}")
     inc = g.ROOT / "state-lib/include"
     nv = sh(f"nvcc -O2 -arch=sm_90 -I{inc} -o {W}/standby_app {g.ROOT}/tests/gpu/cuda/standby_app.cu "
-            f"-L{g.BIN} -lmpsr_state -Xlinker -rpath={g.BIN}", timeout=300)
+            f"-L{g.BIN} -lmpsr_state -ldl -Xlinker -rpath={g.BIN}", timeout=300)
     nv2 = sh(f"nvcc -O2 -arch=sm_90 -o {W}/mpsr_probe {g.ROOT}/tests/gpu/cuda/mpsr_probe.cu", timeout=300)
     if nv.returncode or nv2.returncode:
         say("nvcc failed: " + nv.stderr + nv2.stderr)

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <ctime>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <unistd.h>
 #include "mpsr_state.h"
 
@@ -79,6 +80,13 @@ static int serve(size_t mib, double secs, bool idle) {
   int warm = 0;
   double released = 0;
   if (!strcmp(role_env(), "warm")) {
+    if (getenv("STANDBY_WARM_INIT")) {
+      // An experiment (standby_proof's warm_init): the driver initialized before waiting, no
+      // context made. Looked up at run time: the program links no libcuda.
+      void *cu = dlopen("libcuda.so.1", RTLD_NOW);
+      int (*init)(unsigned) = cu ? (int (*)(unsigned))dlsym(cu, "cuInit") : 0;
+      OUT("CUINIT rc=%d\n", init ? init(0) : -1);
+    }
     OUT("READY role=warm wall=%.6f\n", wall());
     warm = mpsr_state_before_cuda ? mpsr_state_before_cuda() : 0;
     released = wall();
