@@ -14,7 +14,7 @@
 //! should.
 
 use mpsr_e2e::{wait_for, Cluster, Options};
-use mpsr_proto::{Request, Response};
+use mpsr_proto::{FaultOutcome, Request, Response};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,17 @@ struct Job {
     gpu: u32,
     how: &'static str,
     fate: Fate,
+}
+
+/// Whether the agent recorded that a standby took over a task of `job` (its decision record's
+/// typed outcome, not the words mpsr-run prints).
+fn standby_took_over(c: &Cluster, job: u32) -> bool {
+    matches!(
+        c.agent_call("node1", &Request::Events { limit: 50 }),
+        Ok(Response::Events { events, .. }) if events.iter().any(|e| e.outcomes.iter().any(
+            |o| matches!(o, FaultOutcome::StandbyTookOver { job: j, .. } if *j == job)
+        ))
+    )
 }
 
 fn main() -> std::process::ExitCode {
@@ -261,8 +272,7 @@ fn run() -> mpsr_e2e::Result<bool> {
                 seen.insert(j.id, st);
             }
         }
-        let text = std::fs::read_to_string(&serve_out).unwrap_or_default();
-        if took_over.is_none() && text.contains("hot standby took over") {
+        if took_over.is_none() && standby_took_over(&c, serve) {
             took_over = Some(t0.elapsed());
             println!(
                 "  t+{:>5.2}s  job {serve} (serve, gpu0): its hot standby took over, no restart",
