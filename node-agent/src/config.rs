@@ -79,7 +79,8 @@ pub struct StandbyConfig {
     /// A resume task hit in a GPU's shared domain with no standby to take over is restarted at
     /// once in the GPU's standby domain when that domain's server runs (its new CUDA context is
     /// made while the shared server recovers) and runs there from then on, as a task whose
-    /// standby took over does. False: it waits for its own server to be ACTIVE again.
+    /// standby took over does; one hit in the standby domain, in the shared one. False: it waits
+    /// for its own server to be ACTIVE again.
     pub restart_in_standby_domain: bool,
 }
 

@@ -389,8 +389,9 @@ pub enum FaultOutcome {
     },
     /// The task's standby was gone: restarted in place instead.
     StandbyGone { job: u32, step: u32, standby: u32 },
-    /// The hit task was restarted at once in `domain` (the GPU's standby domain, its server
-    /// running) while `from`, where the fault hit it, recovered; it runs there from now on.
+    /// The hit task was restarted at once in `domain` (its server running: the GPU's standby
+    /// domain, or the shared one for a task that ran in the standby domain) while `from`, where
+    /// the fault hit it, recovered; it runs there from now on.
     RestartedElsewhere {
         job: u32,
         step: u32,

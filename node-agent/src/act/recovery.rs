@@ -285,8 +285,8 @@ impl Recovery {
     }
 
     /// What a hit task's supervisor is to do. With `may_move` (the supervisor can restart the
-    /// task elsewhere, and the node allows it), a task whose shared server still recovers is
-    /// restarted at once in the GPU's standby domain when that domain's server runs: its new
+    /// task elsewhere, and the node allows it), a task whose server still recovers is restarted
+    /// at once in the GPU's other running domain (`DomainTable::restart_elsewhere`): its new
     /// context is made while the old server recovers (the verdict's domain says where).
     pub fn resume_verdict(&self, key: crate::store::registry::TaskKey, may_move: bool) -> Verdict {
         let entry = self.store.lock().durable.resume.get(key).cloned();
@@ -359,7 +359,7 @@ impl Recovery {
         }
     }
 
-    /// Moves a task hit in `from` to the GPU's standby domain if that one's server runs (ACTIVE:
+    /// Moves a task hit in `from` to where it may restart elsewhere if that one's server runs (ACTIVE:
     /// a new client's context is made at once; a server still to start would come no sooner
     /// than `from`'s recovery); where it went.
     fn move_now(

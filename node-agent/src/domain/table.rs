@@ -306,19 +306,24 @@ impl DomainTable {
         self.place_as(policy, of.gpu, Tenancy::Standby, 0, (None, None))
     }
 
-    /// Where a task hit in the shared domain `of` may restart while `of` recovers: the GPU's
-    /// existing standby domain (not fenced). None for a task in any other domain (a job's or a
-    /// user's own server keeps the isolation it was placed for) or where the GPU has none (one
-    /// is not made for a restart: a new server starts no sooner than the old one recovers).
+    /// Where a task hit in domain `of` may restart while `of` recovers, as its standby would
+    /// have waited: from the shared domain, the GPU's existing standby domain; from the standby
+    /// domain (a task that took over or restarted there), the shared one. Never a fenced one.
+    /// None for a task in a job's or a user's own server (it keeps the isolation it was placed
+    /// for) and where the GPU has no standby domain (one is not made for a restart: a new server
+    /// starts no sooner than the old one recovers).
     pub fn restart_elsewhere(&self, of: DomainId) -> Option<DomainId> {
-        if self.tenancy(of) != Tenancy::Shared {
-            return None;
-        }
-        self.domains
-            .iter()
-            .find(|r| r.id.gpu == of.gpu && r.tenancy == Tenancy::Standby)
-            .map(|r| r.id)
-            .filter(|id| !self.is_fenced(*id))
+        let to = match self.tenancy(of) {
+            Tenancy::Shared => {
+                self.domains
+                    .iter()
+                    .find(|r| r.id.gpu == of.gpu && r.tenancy == Tenancy::Standby)?
+                    .id
+            }
+            Tenancy::Standby => DomainId::shared(of.gpu),
+            Tenancy::Job(_) | Tenancy::User(_) => return None,
+        };
+        (!self.is_fenced(to)).then_some(to)
     }
 
     /// The last registered task of domain `id` left: it is empty from now on, so placement may
@@ -537,6 +542,30 @@ mod tests {
             t.place(&p, 0, 8, 200, Some(Isolation::Job), none, 50),
             Err(PlaceError::Full { gpu: 0, max: 2 })
         );
+    }
+
+    #[test]
+    fn a_hit_task_restarts_elsewhere_only_from_the_shared_or_the_standby_domain() {
+        let p = policy(4);
+        let mut t = DomainTable::default();
+        let shared = DomainId::shared(0);
+        assert_eq!(t.restart_elsewhere(shared), None, "no standby domain yet");
+        let (sb, _) = t.standby_domain(&p, shared).unwrap();
+        assert_eq!(t.restart_elsewhere(shared), Some(sb));
+        assert_eq!(t.restart_elsewhere(sb), Some(shared));
+        assert_eq!(
+            t.restart_elsewhere(DomainId::shared(1)),
+            None,
+            "another GPU"
+        );
+        let job = t
+            .place(&p, 0, 5, 100, Some(Isolation::Job), (None, None), 0)
+            .unwrap();
+        assert_eq!(t.restart_elsewhere(job.id), None, "its own server");
+        t.fence(sb);
+        assert_eq!(t.restart_elsewhere(shared), None);
+        t.fence(shared);
+        assert_eq!(t.restart_elsewhere(sb), None);
     }
 
     #[test]
