@@ -384,6 +384,7 @@ fn watch_servers(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> 
             fenced_pids: Vec::new(),
             climbed: 0,
             escalating: false,
+            primaries_ended: false,
         });
         r.hit_jobs.extend(dec.hit.iter().copied());
     }

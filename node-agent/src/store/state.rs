@@ -406,6 +406,8 @@ pub struct Recovering {
     /// Rungs of the escalation ladder climbed (`act::escalation`), and whether one is under way.
     pub climbed: usize,
     pub escalating: bool,
+    /// The hit resume tasks' processes were ended at the start of the recovery (`act::recovery`).
+    pub primaries_ended: bool,
 }
 
 pub struct State {
