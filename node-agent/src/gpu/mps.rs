@@ -126,10 +126,7 @@ impl MpsDaemon {
         match self.server_list() {
             Err(_) => ServerState::Down,
             Ok(servers) if servers.is_empty() => ServerState::Idle,
-            Ok(servers) => match self.send(&format!("get_server_status {}", servers[0])) {
-                Ok(s) => parse_status(&s).unwrap_or(ServerState::Active),
-                Err(_) => ServerState::Active,
-            },
+            Ok(servers) => status_of(&self.send(&format!("get_server_status {}", servers[0]))),
         }
     }
 
@@ -168,6 +165,19 @@ pub fn parse_pids(out: &str) -> Vec<u32> {
         .collect()
 }
 
+/// A running server's state from what `get_server_status` gave: an answer without a state (an
+/// MPS before the command) or a refusal counts as ACTIVE; no answer at all (the daemon stopped
+/// or hung after it listed the server) is a daemon not answering, never ACTIVE: measured on an
+/// H100, a daemon SIGSTOPped between the two commands was otherwise reported ACTIVE 3 s later,
+/// and the ladder never climbed for a server nobody could reach.
+fn status_of(answer: &Result<String, RunError>) -> ServerState {
+    match answer {
+        Ok(s) => parse_status(s).unwrap_or(ServerState::Active),
+        Err(RunError::Failed { .. }) => ServerState::Active,
+        Err(RunError::Timeout { .. } | RunError::Spawn { .. }) => ServerState::Down,
+    }
+}
+
 pub fn parse_status(out: &str) -> Option<ServerState> {
     let u = out.to_ascii_uppercase();
     if u.contains("FAULT") {
@@ -195,6 +205,29 @@ pub fn mem_limit_arg(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A daemon that listed its server and then did not answer the status is not ACTIVE.
+    #[test]
+    fn a_status_never_answered_is_not_active() {
+        let said = |s: &str| Ok(s.to_string());
+        assert_eq!(status_of(&said("ACTIVE\n")), ServerState::Active);
+        assert_eq!(status_of(&said("FAULT\n")), ServerState::Fault);
+        assert_eq!(
+            status_of(&said("")),
+            ServerState::Active,
+            "an MPS without the command"
+        );
+        let refused = Err(RunError::Failed {
+            command: "get_server_status 7".into(),
+            output: String::new(),
+        });
+        assert_eq!(status_of(&refused), ServerState::Active);
+        let hung = Err(RunError::Timeout {
+            command: "get_server_status 7".into(),
+            ms: 3000,
+        });
+        assert_eq!(status_of(&hung), ServerState::Down);
+    }
 
     #[test]
     fn bounded_run_kills_hung_command() {
