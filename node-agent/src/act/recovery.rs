@@ -2,7 +2,8 @@
 //! resume supervisors (restart once the task's own server is ACTIVE, or at once in the GPU's
 //! running standby domain).
 //!
-//! A server stays in FAULT until every client it poisoned is gone. After `mps.fault_grace_ms`,
+//! A server stays in FAULT until every client it poisoned is gone. A hit resume task that keeps no
+//! standby has its CUDA processes ended at once (its supervisor restarts it). After `mps.fault_grace_ms`,
 //! the clients that belong to a hit job (already dead in GPU terms: their next CUDA call fails)
 //! are ended with SIGKILL: `terminate_client` does not reach a client that is not calling CUDA,
 //! and measured on an H200 it then blocks the control daemon (nothing answers, the server stays in
