@@ -1,10 +1,9 @@
 //! After a fault: watches each hit domain's server back to ACTIVE, clears healed GPUs, and answers
-//! resume supervisors (restart once the task's own server is ACTIVE, or at once in the GPU's
-//! running standby domain).
+//! resume supervisors (`resume`).
 //!
-//! A server stays in FAULT until every client it poisoned is gone. A hit resume task that keeps no
-//! standby has its CUDA processes ended at once (its supervisor restarts it). After `mps.fault_grace_ms`,
-//! the clients that belong to a hit job (already dead in GPU terms: their next CUDA call fails)
+//! A server stays in FAULT until every client it poisoned is gone. A hit resume task that keeps
+//! no standby has its CUDA processes ended at once (its supervisor restarts it). After
+//! `mps.fault_grace_ms`, the clients that belong to a hit job (already dead in GPU terms: their next CUDA call fails)
 //! are ended with SIGKILL: `terminate_client` does not reach a client that is not calling CUDA,
 //! and measured on an H200 it then blocks the control daemon (nothing answers, the server stays in
 //! FAULT until the client's next CUDA call, 29 s later in that run). Clients of no hit job get
@@ -15,14 +14,17 @@ use crate::act::escalation::Escalation;
 use crate::act::keepers::Keepers;
 use crate::config::MpsConfig;
 use crate::gpu::GpuBackend;
-use crate::store::state::{State, Takeover};
+use crate::store::state::State;
 use crate::store::Store;
 use crate::sys::procfs;
-use mpsr_proto::{DomainId, FaultOutcome, ResumeVerdict, ServerState};
+use mpsr_proto::{DomainId, FaultOutcome, ServerState};
 use mpsr_proto::{FaultClass, Mode};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod resume;
+pub use resume::Verdict;
 
 /// How often a recovering server is asked for its state in the first `WATCH_CLOSELY` of its
 /// recovery, and after.
@@ -195,10 +197,11 @@ impl Recovery {
             }
             roots
         };
-        let clients = self.backend.clients(domain);
+        // Found in /proc, not asked of the faulted server's control daemon (it may not answer
+        // while a poisoned client holds it, and this is the health loop).
         let ended: Vec<(u32, Option<u64>)> = procfs::under(&roots)
             .into_iter()
-            .filter(|p| !roots.contains(p) && (clients.contains(p) || procfs::uses_gpu(*p)))
+            .filter(|p| !roots.contains(p) && procfs::uses_gpu(*p))
             .map(|p| (p, procfs::start_ticks(p)))
             .collect();
         let mut st = self.store.lock();
@@ -334,139 +337,6 @@ impl Recovery {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-
-    /// What a hit task's supervisor is to do. With `may_move` (the supervisor can restart the
-    /// task elsewhere, and the node allows it), a task whose server still recovers is restarted
-    /// at once in the GPU's other running domain (`DomainTable::restart_elsewhere`): its new
-    /// context is made while the old server recovers (the verdict's domain says where).
-    pub fn resume_verdict(&self, key: crate::store::registry::TaskKey, may_move: bool) -> Verdict {
-        let entry = self.store.lock().durable.resume.get(key).cloned();
-        let Some(e) = entry.filter(|e| !e.consumed) else {
-            return Verdict::new(ResumeVerdict::NotHit, "no fault known for this task".into());
-        };
-        let done = |v: ResumeVerdict, why: String| {
-            if let Some(e) = self.store.lock().durable.resume.get_mut(key) {
-                e.consumed = true;
-            }
-            self.store.mark_dirty();
-            Verdict::new(v, why)
-        };
-        if let Some(why) = e.fail {
-            return done(ResumeVerdict::Fail, why);
-        }
-        // What mpsr-run prints on the task's stderr names the fault as Slurm's views do.
-        let fault = self
-            .store
-            .lock()
-            .history
-            .iter()
-            .rev()
-            .find(|r| r.fault_id == e.fault_id)
-            .map(|r| {
-                let xids: Vec<String> = r.xids.iter().map(|x| x.to_string()).collect();
-                format!("fault {} (xid {}, {})", e.fault_id, xids.join("+"), r.class)
-            })
-            .unwrap_or_else(|| format!("fault {}", e.fault_id));
-        match e.takeover {
-            Some(Takeover::Releasing(pid)) => {
-                return Verdict::new(
-                    ResumeVerdict::Wait,
-                    format!("hit by {fault}; standby pid {pid} being released"),
-                )
-            }
-            Some(Takeover::Released(pid)) => {
-                return done(
-                    ResumeVerdict::TakenOver,
-                    format!("hit by {fault}; standby pid {pid} took over"),
-                )
-            }
-            Some(Takeover::Unavailable) | None => {}
-        }
-        let domain = e.domain();
-        match self.backend.server_state(domain) {
-            ServerState::Active | ServerState::Idle => done(
-                ResumeVerdict::Restart,
-                format!("hit by {fault} on {domain}; MPS server ACTIVE again"),
-            ),
-            ServerState::Lost => done(ResumeVerdict::Fail, format!("gpu{} is lost", e.gpu)),
-            s => {
-                if may_move {
-                    if let Some(to) = self.move_now(key, e.fault_id, domain) {
-                        let mut v = done(
-                            ResumeVerdict::Restart,
-                            format!(
-                                "hit by {fault} on {domain} (its server {s:?}); {to}'s server runs"
-                            ),
-                        );
-                        v.moved_to = Some(to);
-                        return v;
-                    }
-                }
-                Verdict::new(
-                    ResumeVerdict::Wait,
-                    format!("hit by {fault}; {domain} server is {s:?}"),
-                )
-            }
-        }
-    }
-
-    /// Moves a task hit in `from` to where it may restart elsewhere if that one's server runs (ACTIVE:
-    /// a new client's context is made at once; a server still to start would come no sooner
-    /// than `from`'s recovery); where it went.
-    fn move_now(
-        &self,
-        task: crate::store::registry::TaskKey,
-        fault_id: u64,
-        from: DomainId,
-    ) -> Option<DomainId> {
-        let to = {
-            let st = self.store.lock();
-            st.durable
-                .domains
-                .restart_elsewhere(from)
-                .filter(|d| !st.recovering.contains_key(d))?
-        };
-        // Asked outside the state lock (an MPS control command).
-        if self.backend.server_state(to) != ServerState::Active {
-            return None;
-        }
-        let mut st = self.store.lock();
-        st.move_task(fault_id, task, to);
-        self.store.record(
-            &mut st,
-            fault_id,
-            Some(task.0),
-            FaultOutcome::RestartedElsewhere {
-                job: task.0,
-                step: task.1,
-                from,
-                domain: to,
-            },
-        );
-        drop(st);
-        self.store.mark_dirty();
-        tracing::info!(fault_id, job = task.0, pid = task.2, %from, %to, "hit task restarted in the standby domain while its server recovers");
-        Some(to)
-    }
-}
-
-/// What a resume supervisor is told.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Verdict {
-    pub verdict: ResumeVerdict,
-    pub reason: String,
-    /// With `Restart`: the domain the task runs in from now on, when not the one it was hit in.
-    pub moved_to: Option<DomainId>,
-}
-
-impl Verdict {
-    fn new(verdict: ResumeVerdict, reason: String) -> Verdict {
-        Verdict {
-            verdict,
-            reason,
-            moved_to: None,
-        }
-    }
 }
 
 /// The registered resume-mode tasks of the `hit` jobs in `domain` that keep no standby (one
@@ -600,7 +470,10 @@ mod tests {
             (resume(4, 400), Some(entry(Some("culprit"), None))),
             (
                 resume(5, 500),
-                Some(entry(None, Some(Takeover::Releasing(501)))),
+                Some(entry(
+                    None,
+                    Some(crate::store::state::Takeover::Releasing(501)),
+                )),
             ),
             (resume(6, 600), Some(entry(None, None))),
             (
