@@ -3,14 +3,13 @@
 //! arming it once it runs. The release itself is the fault worker's (`fault::worker`).
 
 use super::caller::{denied, Caller};
-use super::tasks::context;
+use super::tasks::open_context;
 use crate::agent::Agent;
-use crate::domain::Placement;
 use crate::store::registry::{Task, TaskKey};
 use crate::store::state::{Armed, Standby};
 use crate::sys::procfs;
 use mpsr_proto::standby::Kind;
-use mpsr_proto::{ErrorCode, Isolation, Mode, Response};
+use mpsr_proto::{ErrorCode, Mode, Response};
 use std::path::PathBuf;
 
 /// The registered task `(job, step, pid)` names, or the one the caller runs under; only the
@@ -110,15 +109,7 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey, kind: Kind) -> Respo
     });
     agent.store.mark_dirty();
     tracing::info!(job = t.job_id, step = t.step_id, pid = t.pid, %domain, kind = kind.name(), "standby prepared");
-    let mut ctx = context(
-        agent,
-        &Placement {
-            domain,
-            isolation: Isolation::Shared,
-            quarantined: false,
-            quarantine_waived: false,
-        },
-    );
+    let mut ctx = open_context(agent, domain);
     ctx.state = Some(agent.backend.server_state(domain));
     Response::Standby {
         context: ctx,

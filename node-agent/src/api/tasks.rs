@@ -80,19 +80,25 @@ pub fn gpu_contexts(agent: &Agent, gpus: &[u32]) -> Response {
                 format!("no GPU {g} on node {}", agent.node),
             );
         }
-        let mut c = context(
-            agent,
-            &Placement {
-                domain: DomainId::shared(*g),
-                isolation: Isolation::Shared,
-                quarantined: false,
-                quarantine_waived: false,
-            },
-        );
+        let mut c = open_context(agent, DomainId::shared(*g));
         c.state = Some(agent.backend.server_state(DomainId::shared(*g)));
         out.push(c);
     }
     Response::GpuContexts { contexts: out }
+}
+
+/// The context of a domain every user's tasks may use (a GPU's shared or standby domain): not a
+/// placement of the task's own.
+pub(super) fn open_context(agent: &Agent, domain: DomainId) -> GpuContext {
+    context(
+        agent,
+        &Placement {
+            domain,
+            isolation: Isolation::Shared,
+            quarantined: false,
+            quarantine_waived: false,
+        },
+    )
 }
 
 pub(super) fn context(agent: &Agent, p: &Placement) -> GpuContext {
@@ -175,17 +181,7 @@ pub fn resume_query(
             .resume_verdict((t.job_id, t.step_id, t.pid), may_move);
         let left = until.saturating_duration_since(Instant::now());
         if v.verdict != mpsr_proto::ResumeVerdict::Wait || left.is_zero() {
-            let moved_to = v.moved_to.map(|domain| {
-                context(
-                    agent,
-                    &Placement {
-                        domain,
-                        isolation: Isolation::Shared,
-                        quarantined: false,
-                        quarantine_waived: false,
-                    },
-                )
-            });
+            let moved_to = v.moved_to.map(|domain| open_context(agent, domain));
             return Response::Resume {
                 verdict: v.verdict,
                 reason: v.reason,
