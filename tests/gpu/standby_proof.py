@@ -220,6 +220,8 @@ def takeover_cases(kmsg, n):
             s = out[f"{name}_{mode}"]
             say(f"  {name} {mode}: fault -> first kernel on kept state {s['fault_to_first_kernel_ms']}; "
                 f"Xid record {s['xid_record_ms']}; server's fatal line {s['server_line_ms']}")
+            if mode == "restart":
+                s["moved"] = sum(r["moved"] for r in rows)
             p50 = lambda k: (s.get(f"{k}_ms") or {}).get("p50")
             say(f"  {name} {mode} p50 from the fault: release {p50('fault_to_release')}, process start "
                 f"{p50('began')}, context {p50('ctx')}, attached {p50('attached')}, first kernel "
@@ -230,8 +232,6 @@ def takeover_cases(kmsg, n):
                 check(f"{name}_{mode}", not any(r["restarted"] for r in rows), "no restart: the standby took over")
             if mode == "restart_own":
                 check(f"{name}_{mode}", not any(r["moved"] for r in rows), "restarted in its own domain")
-            if mode == "restart":
-                out[f"{name}_{mode}"]["moved"] = sum(r["moved"] for r in rows)
     return out
 
 
