@@ -126,6 +126,12 @@ def server_fatal_line_after(t):
     return None
 
 
+def restarted_elsewhere(job):
+    """Whether the agent recorded that `job`'s task restarted at once in another domain."""
+    return any(o.get("kind") == "restarted_elsewhere" and o.get("job") == job
+               for e in g.events() for o in e.get("outcomes", []))
+
+
 def one_fault(kmsg, job, kind, standby, app, run_args=""):
     """One resume task (with a "hot" or "warm" standby, or none), a culprit job in the same shared
     server that faults; returns the measurements or None."""
@@ -167,8 +173,8 @@ def one_fault(kmsg, job, kind, standby, app, run_args=""):
             "xid_record_ms": round((xid[0][0] - t_fault) * 1000, 1) if xid else None,
             "bad_words": int(field(first, "bad")), "redo": int(field(first, "redo")),
             "restarted": any("restarting in place" in l for _, l in t.lines),
-            # Restarted at once in the standby domain (mpsr-run names the domain it moved to).
-            "moved": any("its clients in" in l for _, l in t.lines),
+            # Restarted at once in the standby domain: the agent's typed outcome on the fault.
+            "moved": restarted_elsewhere(job),
         }
         # Where the time went, from the fault: the incarnation's process start (a restart's; a
         # standby's was long before), its CUDA context, its kept state attached.

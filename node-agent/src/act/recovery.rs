@@ -14,7 +14,7 @@ use crate::act::escalation::Escalation;
 use crate::act::keepers::Keepers;
 use crate::config::MpsConfig;
 use crate::gpu::GpuBackend;
-use crate::store::state::State;
+use crate::store::state::{Recovering, State};
 use crate::store::Store;
 use crate::sys::procfs;
 use mpsr_proto::{DomainId, FaultOutcome, ServerState};
@@ -206,20 +206,14 @@ impl Recovery {
             .collect();
         let mut st = self.store.lock();
         for (pid, ticks) in ended {
-            // SAFETY: kill(2) has no memory-safety preconditions; the pid is a CUDA process under
-            // a registered resume task of a hit job, found a moment ago.
-            let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            let o = FaultOutcome::HitClientKilled {
-                domain,
-                pid,
-                grace_ms: 0,
-                error: (rc != 0).then(|| std::io::Error::last_os_error().to_string()),
+            let Some(r) = st.recovering.get_mut(&domain) else {
+                return;
+            };
+            r.fenced_pids.push((pid, ticks));
+            let Some(o) = kill_hit_client(r, domain, pid, 0) else {
+                continue;
             };
             tracing::info!(%domain, fault_id, "{o} (a resume task's: its supervisor restarts it)");
-            if let Some(r) = st.recovering.get_mut(&domain) {
-                r.killed.insert(pid);
-                r.fenced_pids.push((pid, ticks));
-            }
             self.store.record(&mut st, fault_id, None, o);
         }
     }
@@ -272,19 +266,10 @@ impl Recovery {
             .collect();
         let (kill, blockers) = split_clients(&st, &hit, &fenced_by_us, clients, procfs::ancestry);
         let r = st.recovering.get_mut(&domain)?;
-        for pid in kill {
-            if r.killed.insert(pid) {
-                // SAFETY: kill(2) has no memory-safety preconditions; the pid is a live client
-                // of this domain's server that runs under a registered task of a hit job.
-                let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                lines.push(FaultOutcome::HitClientKilled {
-                    domain,
-                    pid,
-                    grace_ms: grace.as_millis() as u64,
-                    error: (rc != 0).then(|| std::io::Error::last_os_error().to_string()),
-                });
-            }
-        }
+        lines.extend(
+            kill.into_iter()
+                .filter_map(|pid| kill_hit_client(r, domain, pid, grace.as_millis() as u64)),
+        );
         for pid in blockers {
             if r.blockers_reported.insert(pid) {
                 lines.push(FaultOutcome::ServerHeld { domain, pid });
@@ -337,6 +322,28 @@ impl Recovery {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// SIGKILLs a client of a hit job once per recovery (terminate_client does not reach an idle
+/// client) and returns its outcome line; None if it was already ended.
+fn kill_hit_client(
+    r: &mut Recovering,
+    domain: DomainId,
+    pid: u32,
+    grace_ms: u64,
+) -> Option<FaultOutcome> {
+    if !r.killed.insert(pid) {
+        return None;
+    }
+    // SAFETY: kill(2) has no memory-safety preconditions; the pid is a client (or CUDA process)
+    // of this domain's server under a registered task of a hit job, found a moment ago.
+    let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    Some(FaultOutcome::HitClientKilled {
+        domain,
+        pid,
+        grace_ms,
+        error: (rc != 0).then(|| std::io::Error::last_os_error().to_string()),
+    })
 }
 
 /// The registered resume-mode tasks of the `hit` jobs in `domain` that keep no standby (one
@@ -401,19 +408,8 @@ mod tests {
 
     fn task(job: u32, pid: u32) -> Task {
         Task {
-            job_id: job,
-            step_id: 0,
-            pid,
-            uid: 1000,
-            gpus: vec![0],
-            mode: Mode::Requeue,
-            batch: true,
-            threads_pct: None,
-            mem_limit: None,
-            start_ticks: None,
-            domains: Vec::new(),
             trusted: true,
-            restart_count: 0,
+            ..crate::store::registry::tests::task(job, pid, 1000, &[0])
         }
     }
 

@@ -1,42 +1,21 @@
-//! The domains' daemons on this node: start (or adopt after an agent restart), placement of a
-//! registering task, log tails (a server.log fatal-error line says *which* server faulted),
+//! The domains' daemons on this node: start (or adopt after an agent restart), log tails (a server.log fatal-error line says *which* server faulted),
 //! probing servers after a fault no domain has shown yet, and stopping domains that stayed empty.
 
-use super::{paths, DomainRecord, LogTails, PlaceError, Policy};
+use super::{paths, DomainRecord, LogTails, Policy};
 use crate::config::Config;
 use crate::gpu::{BackendError, DomainSpec, GpuBackend};
 use crate::intake::readers::LogCursor;
 use crate::signal::Signal;
 use crate::store::Store;
 use crate::sys::lock;
-use mpsr_proto::{DomainId, DomainStatus, FaultOutcome, Isolation, ServerState};
+use mpsr_proto::{DomainId, DomainStatus, FaultOutcome, ServerState};
 use std::collections::BTreeSet;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Why a task could not be placed.
-#[derive(Debug, thiserror::Error)]
-pub enum PlacementError {
-    /// The admin's policy refuses it (not allowed, GPU full): the job must not run unprotected.
-    #[error(transparent)]
-    Refused(#[from] PlaceError),
-    #[error("starting fault domain {domain}: {source}")]
-    Start {
-        domain: DomainId,
-        source: BackendError,
-    },
-}
-
-/// Where one task's clients go on one GPU.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placement {
-    pub domain: DomainId,
-    pub isolation: Isolation,
-    pub quarantined: bool,
-    /// Quarantined, but no domain was free: placed where it asked (see `Placed`).
-    pub quarantine_waived: bool,
-}
+mod placement;
+pub use placement::{Placement, PlacementError};
 
 /// How often a fenced domain's daemon is started again to see whether it comes back.
 pub const RETRY_FENCED: Duration = Duration::from_secs(30);
@@ -208,81 +187,6 @@ impl Domains {
             Ok(()) => tracing::info!(domain = %id, "empty fault domain stopped"),
             Err(e) => tracing::warn!(domain = %id, error = %e, "stopping fault domain failed"),
         }
-    }
-
-    /// Places a registering task on each of its GPUs, starting new domains' daemons. Called with
-    /// the task's trusted identity (job, uid), before it is registered.
-    pub fn place_task(
-        &self,
-        job: u32,
-        uid: u32,
-        gpus: &[u32],
-        asked: Option<Isolation>,
-        limits: (Option<u8>, Option<u64>),
-    ) -> Result<Vec<Placement>, PlacementError> {
-        let mut out = Vec::new();
-        let mut to_start = Vec::new();
-        // Held until the new daemons are up: a second task of the job must not get a context
-        // for a domain still starting, nor the linger loop stop it meanwhile.
-        let _serial = lock(&self.ops);
-        {
-            let mut st = self.store.lock();
-            let now = crate::sys::now_ms();
-            for &gpu in gpus {
-                let p =
-                    st.durable
-                        .domains
-                        .place(&self.policy, gpu, job, uid, asked, limits, now)?;
-                if let Some(rec) = p.start {
-                    to_start.push(rec);
-                }
-                out.push(Placement {
-                    domain: p.id,
-                    isolation: p.isolation,
-                    quarantined: p.quarantined,
-                    quarantine_waived: p.quarantine_waived,
-                });
-            }
-        }
-        self.start_placed(to_start)?;
-        Ok(out)
-    }
-
-    /// Starts the daemons of domains placement just made (or took over). Callers hold
-    /// `domain_ops`.
-    fn start_placed(&self, to_start: Vec<DomainRecord>) -> Result<(), PlacementError> {
-        if !to_start.is_empty() {
-            self.store.mark_dirty();
-        }
-        for rec in to_start {
-            // A domain taken over from an earlier tenant gets a fresh daemon (owner, limits).
-            if self.backend.server_state(rec.id) != ServerState::Down {
-                self.stop_domain(rec.id);
-            }
-            if let Err(source) = self.start_domain(&self.spec(rec.id, Some(&rec))) {
-                self.store.lock().durable.domains.remove(rec.id);
-                self.store.mark_dirty();
-                return Err(PlacementError::Start {
-                    domain: rec.id,
-                    source,
-                });
-            }
-            tracing::info!(domain = %rec.id, tenancy = %rec.tenancy, owner_uid = ?rec.owner_uid, "fault domain started");
-        }
-        Ok(())
-    }
-
-    /// The domain a hot standby of a task in domain `of` waits in (started if new).
-    pub fn place_standby(&self, of: DomainId) -> Result<DomainId, PlacementError> {
-        let _serial = lock(&self.ops);
-        let (id, start) = self
-            .store
-            .lock()
-            .durable
-            .domains
-            .standby_domain(&self.policy, of)?;
-        self.start_placed(start.into_iter().collect())?;
-        Ok(id)
     }
 
     /// Starts again the daemon of every domain that does not answer (it crashed or was killed):

@@ -11,10 +11,10 @@
 //! The price, also measured: clients of different servers are time-sliced, not concurrent, and
 //! each server takes ~66 MiB of GPU memory (README, BENCHMARKS.md).
 //!
-//! `table` decides placement (pure
-//! data, durable); `lifecycle` starts, adopts, watches and stops
-//! the domains' daemons for the agent; `probe` asks servers whether they are in FAULT after a fault
-//! no domain showed yet; `tails` follows each domain's MPS logs.
+//! `table` decides placement (pure data, durable); `lifecycle` starts, adopts, watches and stops
+//! the domains' daemons for the agent (`lifecycle::placement` starts those a placement made);
+//! `probe` asks servers whether they are in FAULT after a fault no domain showed yet; `tails`
+//! follows each domain's MPS logs.
 
 pub mod lifecycle;
 pub mod probe;

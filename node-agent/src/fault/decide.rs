@@ -229,19 +229,11 @@ mod tests {
 
     fn task(job: u32, pid: u32, gpus: &[u32], mode: Mode, batch: bool) -> Task {
         Task {
-            job_id: job,
             step_id: if batch { mpsr_proto::BATCH_STEP } else { 0 },
-            pid,
-            uid: 1000,
-            gpus: gpus.to_vec(),
             mode,
             batch,
-            threads_pct: None,
-            mem_limit: None,
-            restart_count: 0,
-            start_ticks: None,
             trusted: true,
-            domains: Vec::new(),
+            ..crate::store::registry::tests::task(job, pid, 1000, gpus)
         }
     }
 

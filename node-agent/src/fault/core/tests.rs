@@ -53,19 +53,10 @@ impl World {
     fn batch_task(&mut self, job: u32, pid: u32, restarts: u32) {
         let n = self.st.durable.note_running(job, 1000, restarts);
         let t = Task {
-            job_id: job,
             step_id: BATCH,
-            pid,
-            uid: 1000,
-            gpus: vec![0],
-            mode: Mode::Requeue,
-            batch: true,
-            threads_pct: None,
-            mem_limit: None,
             restart_count: n,
-            start_ticks: None,
             trusted: true,
-            domains: Vec::new(),
+            ..crate::store::registry::tests::task(job, pid, 1000, &[0])
         };
         self.st.durable.registry.register(t).unwrap();
     }
@@ -329,19 +320,10 @@ impl World {
     /// the standby domain (slot 1).
     fn resume_task_with_standby(&mut self, job: u32, pid: u32) {
         let t = Task {
-            job_id: job,
-            step_id: 0,
-            pid,
-            uid: 1000,
-            gpus: vec![0],
             mode: Mode::Resume,
             batch: false,
-            threads_pct: None,
-            mem_limit: None,
-            restart_count: 0,
-            start_ticks: None,
             trusted: true,
-            domains: Vec::new(),
+            ..crate::store::registry::tests::task(job, pid, 1000, &[0])
         };
         self.st.durable.registry.register(t).unwrap();
         let (domain, _) = self
