@@ -4,7 +4,8 @@ weights are kept by the state keeper (mpsr_state.attach, no copy), it runs one w
 pass, waits in mpsr_state.ready() (at once in a primary; until a fault in a hot standby), then
 answers "requests" (one forward pass each) for SECONDS, printing `ANSWER <wall>` per answer. A warm
 standby (MPSR_ROLE=warm) waits in mpsr_state.before_cuda() right after the imports, before CUDA is
-touched, and does the rest once released.
+touched, and does the rest once released. After a fault (a warm standby released, a restart) its
+reference pass answers the first request.
 
     serve_standby.py SECONDS [plain]
 
@@ -67,6 +68,10 @@ if not plain:
     # view of the weights, the input, the first forward pass (libraries, kernels loaded).
     print(f"PHASES attach_s={t_attached:.6f} torch_s={t_torch:.6f} input_s={t_input:.6f} ref_s={t_ref:.6f}", flush=True)
 role_env = os.environ.get("MPSR_ROLE", "primary")
+if role_env == "warm" or int(os.environ.get("MPSR_RESTARTS", "0") or 0) > 0:
+    # An incarnation after a fault: its reference pass was a forward pass on the request, so it
+    # is the first answer (a server would not compute the same answer twice before replying).
+    print(f"ANSWER {t_ref:.6f}", flush=True)
 if role_env != "warm":
     print(f"READY role={role_env} origin={origin} wall={time.time():.6f}", flush=True)
 role = mpsr_state.ready() if not plain else "primary"
