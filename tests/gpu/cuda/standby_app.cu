@@ -115,7 +115,8 @@ static int serve(size_t mib, double secs, bool idle) {
   // Warm-up: the kernels are loaded and the context is set up before anyone waits on it. An
   // incarnation after a fault (a released warm standby, a restart) skips it: nobody waits on
   // it, and its first kernel below is the same check (a real app would not check twice).
-  bool after_fault = warm == 1 || (getenv("MPSR_RESTARTS") && atoi(getenv("MPSR_RESTARTS")) > 0);
+  bool restarted = getenv("MPSR_RESTARTS") && atoi(getenv("MPSR_RESTARTS")) > 0;
+  bool after_fault = warm == 1 || restarted;
   if (!after_fault) {
     cudaMemset(cnt, 0, 16);
     check<<<264, 256>>>(gen, d, n, cnt);
@@ -126,7 +127,7 @@ static int serve(size_t mib, double secs, bool idle) {
   int r = mpsr_state_ready();
   if (!warm) released = wall();
   if (r < 0) { OUT("READY_ERROR %s\n", mpsr_state_last_error()); return 1; }
-  const char *how = (r == 1 || warm == 1) ? "takeover" : (getenv("MPSR_RESTARTS") && atoi(getenv("MPSR_RESTARTS")) > 0 ? "restart" : "start");
+  const char *how = (r == 1 || warm == 1) ? "takeover" : (restarted ? "restart" : "start");
   // The first kernel on the kept state: check it, and redo a step the fault interrupted.
   unsigned long long h[2];
   cudaMemset(cnt, 0, 16);
