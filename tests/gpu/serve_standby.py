@@ -68,7 +68,8 @@ if not plain:
     # view of the weights, the input, the first forward pass (libraries, kernels loaded).
     print(f"PHASES attach_s={t_attached:.6f} torch_s={t_torch:.6f} input_s={t_input:.6f} ref_s={t_ref:.6f}", flush=True)
 role_env = os.environ.get("MPSR_ROLE", "primary")
-if role_env == "warm" or int(os.environ.get("MPSR_RESTARTS", "0") or 0) > 0:
+restarts = int(os.environ.get("MPSR_RESTARTS", "0") or 0)
+if role_env == "warm" or restarts > 0:
     # An incarnation after a fault: its reference pass was a forward pass on the request, so it
     # is the first answer (a server would not compute the same answer twice before replying).
     print(f"ANSWER {t_ref:.6f}", flush=True)
@@ -76,7 +77,7 @@ if role_env != "warm":
     print(f"READY role={role_env} origin={origin} wall={time.time():.6f}", flush=True)
 role = mpsr_state.ready() if not plain else "primary"
 t_ready = time.time()
-print(f"SERVING role={role} origin={origin} start_to_ready_s={t_ready - t_start:.3f} wall={t_ready:.6f}", flush=True)
+print(f"SERVING role={role} origin={origin} restarts={restarts} start_to_ready_s={t_ready - t_start:.3f} wall={t_ready:.6f}", flush=True)
 end = time.time() + secs
 with torch.no_grad():
     while time.time() < end:

@@ -126,9 +126,10 @@ def server_fatal_line_after(t):
     return None
 
 
-def restarted_elsewhere(job):
-    """Whether the agent recorded that `job`'s task restarted at once in another domain."""
-    return any(o.get("kind") == "restarted_elsewhere" and o.get("job") == job
+def outcome_for(kind, job):
+    """Whether the agent recorded a typed outcome of `kind` for `job` (e.g. "restarted_elsewhere":
+    restarted at once in another domain; "standby_took_over": a hot or warm standby released)."""
+    return any(o.get("kind") == kind and o.get("job") == job
                for e in g.events() for o in e.get("outcomes", []))
 
 
@@ -172,9 +173,10 @@ def one_fault(kmsg, job, kind, standby, app, run_args=""):
             "fault_to_release_ms": round((float(field(first, "released")) - t_fault) * 1000, 1),
             "xid_record_ms": round((xid[0][0] - t_fault) * 1000, 1) if xid else None,
             "bad_words": int(field(first, "bad")), "redo": int(field(first, "redo")),
-            "restarted": any("restarting in place" in l for _, l in t.lines),
-            # Restarted at once in the standby domain: the agent's typed outcome on the fault.
-            "moved": restarted_elsewhere(job),
+            # What the agent did, from its typed outcomes on the fault: a standby released, or
+            # a restart at once in the standby domain.
+            "took_over": outcome_for("standby_took_over", job),
+            "moved": outcome_for("restarted_elsewhere", job),
         }
         # Where the time went, from the fault: the incarnation's process start (a restart's; a
         # standby's was long before), its CUDA context, its kept state attached.
@@ -235,7 +237,7 @@ def takeover_cases(kmsg, n):
             check(f"{name}_{mode}", len(rows) >= max(1, runs * 3 // 4), f"{len(rows)}/{runs} faults measured")
             check(f"{name}_{mode}", all(r["bad_words"] == 0 for r in rows), "the kept state was consistent every time")
             if not mode.startswith("restart"):
-                check(f"{name}_{mode}", not any(r["restarted"] for r in rows), "no restart: the standby took over")
+                check(f"{name}_{mode}", all(r["took_over"] for r in rows), "no restart: the standby took over")
             if mode == "restart_own":
                 check(f"{name}_{mode}", not any(r["moved"] for r in rows), "restarted in its own domain")
     return out
@@ -306,8 +308,8 @@ def serving_case(kmsg, runs):
                                        "torch": ms(float(field(ph[0], "torch_s"))), "input": ms(float(field(ph[0], "input_s"))),
                                        "reference": ms(float(field(ph[0], "ref_s"))), "answer": ms(after[0])})
                         say(f"  serve {mode} #{i}: from the fault (ms): {phases[-1]}")
-                    took = any("took over" in l for _, l in t.lines)
-                    restarted = any("restarting in place" in l for _, l in t.lines)
+                    took = outcome_for("standby_took_over", job)
+                    restarted = any(int(field(l, "restarts") or 0) > 0 for _, l in t.lines_with("SERVING "))
                     say(f"  serve {mode} #{i}: longest gap between answers across the fault {gap} ms, "
                         f"fault -> next answer {nexts[-1]} ms "
                         f"(took over: {took}, restarted: {restarted})")
