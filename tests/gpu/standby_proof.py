@@ -126,11 +126,10 @@ def server_fatal_line_after(t):
     return None
 
 
-def outcome_for(kind, job):
-    """Whether the agent recorded a typed outcome of `kind` for `job` (e.g. "restarted_elsewhere":
+def outcomes_for(job):
+    """The kinds of typed outcome the agent recorded for `job` (e.g. "restarted_elsewhere":
     restarted at once in another domain; "standby_took_over": a hot or warm standby released)."""
-    return any(o.get("kind") == kind and o.get("job") == job
-               for e in g.events() for o in e.get("outcomes", []))
+    return {o.get("kind") for e in g.events() for o in e.get("outcomes", []) if o.get("job") == job}
 
 
 def one_fault(kmsg, job, kind, standby, app, run_args=""):
@@ -167,6 +166,7 @@ def one_fault(kmsg, job, kind, standby, app, run_args=""):
         t_fault = float(field(faulting[1], "wall"))
         xid = [r for r in kmsg.records if r[0] >= t_fault - 0.01 and "Xid" in r[1]]
         line = server_fatal_line_after(t_fault)
+        done = outcomes_for(job)
         res = {
             "server_line_ms": round((line - t_fault) * 1000, 1) if line else None,
             "fault_to_first_kernel_ms": round((float(field(first, "done")) - t_fault) * 1000, 1),
@@ -175,8 +175,8 @@ def one_fault(kmsg, job, kind, standby, app, run_args=""):
             "bad_words": int(field(first, "bad")), "redo": int(field(first, "redo")),
             # What the agent did, from its typed outcomes on the fault: a standby released, or
             # a restart at once in the standby domain.
-            "took_over": outcome_for("standby_took_over", job),
-            "moved": outcome_for("restarted_elsewhere", job),
+            "took_over": "standby_took_over" in done,
+            "moved": "restarted_elsewhere" in done,
         }
         # Where the time went, from the fault: the incarnation's process start (a restart's; a
         # standby's was long before), its CUDA context, its kept state attached.
@@ -308,7 +308,7 @@ def serving_case(kmsg, runs):
                                        "torch": ms(float(field(ph[0], "torch_s"))), "input": ms(float(field(ph[0], "input_s"))),
                                        "reference": ms(float(field(ph[0], "ref_s"))), "answer": ms(after[0])})
                         say(f"  serve {mode} #{i}: from the fault (ms): {phases[-1]}")
-                    took = outcome_for("standby_took_over", job)
+                    took = "standby_took_over" in outcomes_for(job)
                     restarted = any(int(field(l, "restarts") or 0) > 0 for _, l in t.lines_with("SERVING "))
                     say(f"  serve {mode} #{i}: longest gap between answers across the fault {gap} ms, "
                         f"fault -> next answer {nexts[-1]} ms "
