@@ -366,9 +366,11 @@ fn a_held_resume_query_is_answered_when_the_server_recovers() {
 
 /// A resume task hit in the shared domain with no standby of its own is restarted at once in the
 /// GPU's standby domain, whose server runs (another task's standby waits there), while the
-/// shared server still recovers: its supervisor's next child is a client of that domain, the task
-/// is recorded there and the fault's record says so. The old way (its own server once ACTIVE) is
-/// what an agent told `restart_in_standby_domain = false` does.
+/// shared server still recovers: its supervisor keeps a cold standby there (its own waiter on a
+/// FIFO, armed like a standby: nothing of the task's runs there before the fault), is released at
+/// the decision, and its next child is a client of that domain; the task is recorded there and the
+/// fault's record says so. The old way (its own server once ACTIVE) is what an agent told
+/// `restart_in_standby_domain = false` does: it refuses the cold standby.
 #[test]
 fn a_hit_task_restarts_at_once_in_the_running_standby_domain() {
     for allowed in [true, false] {
@@ -376,16 +378,30 @@ fn a_hit_task_restarts_at_once_in_the_running_standby_domain() {
             "[sim]\nrecovery_ms = 4000\n[standby]\nrestart_in_standby_domain = {allowed}\n"
         ));
         let (_sb, _) = standby_task(&e, 71);
+        e.wait_for("the standby in its domain", |e| {
+            standby_clients(e).len() == 1 && armed_standby(e, 71).is_some()
+        });
         let (_sup, err) = supervised_task(&e, 72, None);
-        e.wait_for(
-            "the standby in its domain, the task in the shared one",
-            |e| {
-                standby_clients(e).len() == 1
-                    && armed_standby(e, 71).is_some()
-                    && shared_clients(e).len() == 2
-            },
-        );
+        e.wait_for("the task in the shared domain", |e| {
+            shared_clients(e).len() == 2
+        });
         let standby = standby_clients(&e)[0];
+        if allowed {
+            e.wait_for("the task's cold standby armed", |e| {
+                armed_standby(e, 72).is_some()
+            });
+            let cold = armed_standby(&e, 72).unwrap();
+            assert!(
+                standby_clients(&e) == vec![standby],
+                "a cold standby is no client: {:?}",
+                standby_clients(&e)
+            );
+            assert_ne!(cold, standby);
+        } else {
+            // Given time to ask: refused.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            assert_eq!(armed_standby(&e, 72), None);
+        }
         e.inject(0, 43, None, Some(0));
         e.wait_for("the restart", |_| {
             std::fs::read_to_string(&err).is_ok_and(|t| t.contains("restarting in place"))
@@ -398,7 +414,7 @@ fn a_hit_task_restarts_at_once_in_the_running_standby_domain() {
             assert_eq!(shared.state, mpsr_proto::ServerState::Active, "{text}");
             continue;
         }
-        assert!(text.contains("its clients in gpu0/d"), "{text}");
+        assert!(text.contains("at once, its clients in gpu0/d"), "{text}");
         assert_ne!(
             shared.state,
             mpsr_proto::ServerState::Active,

@@ -8,6 +8,12 @@
 //! A **warm** standby (`MPSR_ROLE=warm`) waits in `before_cuda()`, before the application's first
 //! CUDA call (its imports and host set-up done): no CUDA context, no GPU memory; released, it
 //! creates its context and attaches its kept state.
+//!
+//! A **cold** standby is no process of the application at all: the task's supervisor (`mpsr-run`,
+//! for a resume task that keeps no hot or warm standby) waits on the FIFO itself and starts the
+//! task's next incarnation in the standby's domain the moment the agent releases it, while the
+//! hit server still recovers: the restart overlaps the fault's handling. It costs nothing on the
+//! GPU; the agent makes one only where the GPU already runs another domain to restart in.
 
 use std::io::Read;
 use std::path::Path;
@@ -31,6 +37,9 @@ pub enum Kind {
     Hot,
     /// Prepared up to its first CUDA call: no CUDA context while it waits.
     Warm,
+    /// Not prepared at all: its supervisor starts the next incarnation when released. Never
+    /// asked for by users (`MPSR_STANDBY`); `mpsr-run` keeps one where it keeps no other.
+    Cold,
 }
 
 impl Kind {
@@ -48,6 +57,8 @@ impl Kind {
         match self {
             Kind::Hot => "standby",
             Kind::Warm => "warm",
+            // No process of the application waits as a cold standby.
+            Kind::Cold => "cold",
         }
     }
 
@@ -59,6 +70,7 @@ impl Kind {
         match self {
             Kind::Hot => "hot",
             Kind::Warm => "warm",
+            Kind::Cold => "cold",
         }
     }
 }

@@ -297,7 +297,8 @@ pub fn task_init_privileged(sp: Spank) {
         Some(mpsr_proto::standby::Kind::Warm) => {
             env.push((mpsr_proto::standby::WANTED_ENV, "warm".to_string()))
         }
-        None => {}
+        // Not an option users give: mpsr-run keeps one by itself.
+        Some(mpsr_proto::standby::Kind::Cold) | None => {}
     }
     if let Some(t) = p.threads {
         env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", t.to_string()));

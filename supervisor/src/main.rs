@@ -15,8 +15,10 @@
 //! ends the primary and releases the standby, which becomes the task's process (no restart, no wait
 //! for the server's recovery).
 
+mod standby;
+
 use mpsr_proto::standby::Kind;
-use mpsr_proto::{standby, Client, Request, Response, ResumeVerdict, BATCH_STEP};
+use mpsr_proto::{Client, Request, Response, ResumeVerdict, BATCH_STEP};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -251,7 +253,7 @@ fn spawn(o: &Opts, restarts: u32, env: &[(&str, String)]) -> std::io::Result<u32
     let mut cmd = Command::new(&o.cmd[0]);
     cmd.args(&o.cmd[1..])
         .env("MPSR_RESTARTS", restarts.to_string())
-        .env(standby::ROLE_ENV, "primary");
+        .env(mpsr_proto::standby::ROLE_ENV, "primary");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -267,72 +269,6 @@ fn spawn(o: &Opts, restarts: u32, env: &[(&str, String)]) -> std::io::Result<u32
     }
     // Reaped by `wait_any`, not through the Child.
     cmd.spawn().map(|c| c.id())
-}
-
-/// Starts a standby of the command for the fault domain the agent gives it, and arms it.
-fn start_standby(
-    o: &Opts,
-    t: TaskId,
-    kind: Kind,
-    restarts: u32,
-    primary: u32,
-) -> Result<u32, String> {
-    let c = agent();
-    let me = std::process::id();
-    let (ctx, fifo, mem) = match c.call(&Request::StandbyPrepare {
-        job_id: t.job,
-        step_id: t.step,
-        pid: me,
-        kind,
-    }) {
-        Ok(Response::Standby {
-            context,
-            release_fifo,
-            mem_limit,
-        }) => (context, release_fifo, mem_limit),
-        Ok(Response::Error { message, .. }) => return Err(message),
-        Ok(other) => return Err(format!("unexpected reply {other:?}")),
-        Err(e) => return Err(e.to_string()),
-    };
-    let mut env = domain_env(&ctx);
-    env.extend([
-        (standby::ROLE_ENV, kind.role().to_string()),
-        (standby::FIFO_ENV, fifo),
-    ]);
-    if let Some(bytes) = mem {
-        env.push((
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-            format!("0={}M", (bytes >> 20).max(1)),
-        ));
-    }
-    let pid = spawn(o, restarts, &env).map_err(|e| format!("cannot start it: {e}"))?;
-    match c.call(&Request::StandbyArm {
-        job_id: t.job,
-        step_id: t.step,
-        pid: me,
-        primary_pid: primary,
-        standby_pid: pid,
-    }) {
-        Ok(Response::Ok) => Ok(pid),
-        r => {
-            kill(pid, libc::SIGKILL);
-            let why = match r {
-                Ok(Response::Error { message, .. }) => message,
-                Ok(other) => format!("unexpected reply {other:?}"),
-                Err(e) => e.to_string(),
-            };
-            Err(format!("the agent did not arm it: {why}"))
-        }
-    }
-}
-
-/// The MPS environment of an incarnation whose clients use fault domain `ctx`.
-fn domain_env(ctx: &mpsr_proto::GpuContext) -> Vec<(&'static str, String)> {
-    vec![
-        ("CUDA_MPS_PIPE_DIRECTORY", ctx.pipe_dir.clone()),
-        ("CUDA_MPS_LOG_DIRECTORY", ctx.log_dir.clone()),
-        ("MPSR_DOMAIN", ctx.domain.to_string()),
-    ]
 }
 
 fn kill(pid: u32, sig: libc::c_int) {
@@ -376,16 +312,19 @@ fn main() -> ExitCode {
         eprintln!("mpsr-run: not inside a Slurm job (no SLURM_JOB_ID): running without resume");
     }
     // `--mps-standby[=KIND]` (the plugin sets MPSR_STANDBY=1 or warm): keep a standby of the
-    // command.
-    let wanted = std::env::var(standby::WANTED_ENV)
+    // command. Without one, a cold standby (nothing started ahead: the next incarnation starts
+    // at the fault's decision) wherever the task may restart in another domain.
+    let wanted = std::env::var(mpsr_proto::standby::WANTED_ENV)
         .ok()
         .and_then(|v| Kind::from_env_value(&v));
-    let kind = wanted.unwrap_or_default();
-    let mut standby_wanted = task.is_some() && wanted.is_some();
+    let kind = wanted.unwrap_or(Kind::Cold);
+    let cold = kind == Kind::Cold;
+    let standby_allowed = task.is_some() && (wanted.is_some() || !o.same_domain);
+    let mut standby_wanted = standby_allowed;
     forward_signals();
     let mut restarts = 0u32;
     let mut primary: Option<u32> = None;
-    let mut standby: Option<u32> = None;
+    let mut standby: Option<standby::Armed> = None;
     // The primary's MPS environment when the task was restarted in another fault domain than the
     // one Slurm's environment names (empty: that one).
     let mut home: Vec<(&'static str, String)> = Vec::new();
@@ -409,56 +348,100 @@ fn main() -> ExitCode {
         };
         primary = Some(p);
         CHILD.store(p as i32, Ordering::SeqCst);
-        if let (true, None, Some(t)) = (standby_wanted, standby, task) {
+        // A cold standby's release restarts the task: not once the limit is reached.
+        let may_arm = !cold || restarts < o.max_restarts;
+        if let (true, true, None, Some(t)) = (standby_wanted, may_arm, &standby, task) {
             if Instant::now() >= standby_due {
-                match start_standby(&o, t, kind, restarts, p) {
+                match standby::start(&o, t, kind, restarts, p) {
                     Ok(s) => standby = Some(s),
                     Err(e) => {
-                        eprintln!(
-                            "mpsr-run: no {} standby ({e}); a fault restarts the task instead",
-                            kind.name()
-                        );
+                        // A cold one is refused where the GPU has no other domain to restart
+                        // in (most nodes): nothing to tell the user, the restart waits as before.
+                        if !cold {
+                            eprintln!(
+                                "mpsr-run: no {} standby ({e}); a fault restarts the task instead",
+                                kind.name()
+                            );
+                        }
                         standby_wanted = false;
                     }
                 }
             }
         }
-        STANDBY.store(standby.map_or(0, |s| s as i32), Ordering::SeqCst);
+        STANDBY.store(
+            standby.as_ref().map_or(0, |s| s.pid as i32),
+            Ordering::SeqCst,
+        );
         // A stop signal that came before CHILD was set was not forwarded: forward it now.
         let pending = STOPPING.load(Ordering::SeqCst);
         if pending != 0 {
             kill(p, pending);
-            standby.inspect(|s| kill(*s, pending));
+            standby.as_ref().inspect(|s| kill(s.pid, pending));
         }
-        let until = (standby_wanted && standby.is_none()).then_some(standby_due);
-        let status = match wait_any(until) {
+        let until = (standby_wanted && may_arm && standby.is_none()).then_some(standby_due);
+        let (pid, status) = match wait_any(until) {
             Ok(None) => continue, // time for the standby
-            Ok(Some((pid, st))) if Some(pid) == primary => st,
-            Ok(Some((pid, st))) => {
-                if Some(pid) == standby {
-                    eprintln!(
-                        "mpsr-run: the {} standby (pid {pid}) ended before any fault (status {}); a fault restarts the task instead",
-                        kind.name(),
-                        exit_code(st)
-                    );
-                    standby = None;
-                    standby_wanted = false;
-                    STANDBY.store(0, Ordering::SeqCst);
-                }
-                continue;
-            }
+            Ok(Some(done)) => done,
             Err(e) => {
                 eprintln!("mpsr-run: waiting for {}: {e}", o.cmd[0]);
                 return ExitCode::from(1);
             }
         };
+        let took_over = |kind: Kind, reason: &str| {
+            eprintln!(
+                "mpsr-run: a GPU fault hit the task ({reason}); its {} standby took over",
+                kind.name()
+            )
+        };
+        if Some(pid) != primary {
+            let Some(s) = standby.as_ref().filter(|s| s.pid == pid) else {
+                // An incarnation the agent ended at a cold standby's release, gone now.
+                continue;
+            };
+            let released = cold && status.code() == Some(standby::RELEASED);
+            let confirmed = match (released, task) {
+                (true, Some(t)) => {
+                    let v = verdict(&o, t);
+                    (v.verdict == ResumeVerdict::TakenOver).then_some(v.reason)
+                }
+                _ => None,
+            };
+            let context = s.context.clone();
+            standby = None;
+            STANDBY.store(0, Ordering::SeqCst);
+            match confirmed {
+                Some(reason) => {
+                    // The agent ended the primary and moved the task: start the next
+                    // incarnation now, while the hit server still recovers.
+                    if let Some(old) = primary.take() {
+                        // Already SIGKILLed by the agent: a byte from anyone else must not
+                        // leave two incarnations running.
+                        kill(old, libc::SIGKILL);
+                    }
+                    CHILD.store(0, Ordering::SeqCst);
+                    restart_at_once(&o, &mut restarts, &mut home, &context, &reason, started);
+                    standby_due = Instant::now() + o.standby_delay;
+                }
+                None if cold => standby_wanted = false,
+                None => {
+                    eprintln!(
+                        "mpsr-run: the {} standby (pid {pid}) ended before any fault (status {}); a fault restarts the task instead",
+                        kind.name(),
+                        exit_code(status)
+                    );
+                    standby_wanted = false;
+                }
+            }
+            continue;
+        }
         primary = None;
         CHILD.store(0, Ordering::SeqCst);
         let code = exit_code(status);
-        let end_standby = |standby: Option<u32>| {
+        let end_standby = |standby: Option<standby::Armed>| {
             if let Some(s) = standby {
-                kill(s, libc::SIGKILL);
-                let _ = wait_any(None);
+                kill(s.pid, libc::SIGKILL);
+                // SAFETY: reaps that one child; st is a valid out-parameter.
+                unsafe { libc::waitpid(s.pid as i32, std::ptr::null_mut(), 0) };
             }
         };
         if status.success() || STOPPING.load(Ordering::SeqCst) != 0 {
@@ -474,20 +457,31 @@ fn main() -> ExitCode {
             moved_to,
         } = verdict(&o, t);
         match v {
+            ResumeVerdict::TakenOver if cold => {
+                // The cold standby was released (its waiter is gone or goes now): the next
+                // incarnation starts in its domain.
+                let s = standby.take();
+                if let Some(s) = &s {
+                    restart_at_once(&o, &mut restarts, &mut home, &s.context, &reason, started);
+                } else {
+                    eprintln!("mpsr-run: {reason}, but no cold standby is known here; exiting with status {code}");
+                    return ExitCode::from(code);
+                }
+                end_standby(s);
+                standby_due = Instant::now() + o.standby_delay;
+            }
             ResumeVerdict::TakenOver => {
                 // The standby is the task's process now; a new standby is prepared for it.
-                primary = standby.take();
+                primary = standby.take().map(|s| s.pid);
                 standby_due = Instant::now() + o.standby_delay;
-                eprintln!(
-                    "mpsr-run: a GPU fault hit the task ({reason}); its {} standby took over",
-                    kind.name()
-                );
+                took_over(kind, &reason);
             }
             ResumeVerdict::Restart if restarts < o.max_restarts => {
                 end_standby(standby.take());
                 restarts += 1;
+                standby_wanted = standby_allowed && (cold || standby_wanted);
                 if let Some(ctx) = &moved_to {
-                    home = domain_env(ctx);
+                    home = standby::domain_env(ctx);
                 }
                 // The agent said the GPU is ready: the first restart goes at once; later ones
                 // back off (a task that faults again and again must not spin).
@@ -526,6 +520,26 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// A cold standby was released: the task restarts at once in its domain (counted as a restart;
+/// no back-off: the agent released it for a fault of someone else's).
+fn restart_at_once(
+    o: &Opts,
+    restarts: &mut u32,
+    home: &mut Vec<(&'static str, String)>,
+    to: &mpsr_proto::GpuContext,
+    reason: &str,
+    started: Instant,
+) {
+    *restarts += 1;
+    *home = standby::domain_env(to);
+    eprintln!(
+        "mpsr-run: child hit after {:.1} s; {reason}; restarting in place ({restarts}/{}) at once, its clients in {} from now on",
+        started.elapsed().as_secs_f64(),
+        o.max_restarts,
+        to.domain
+    );
 }
 
 #[cfg(test)]

@@ -62,17 +62,32 @@ pub fn release_standby(store: &Store, r: Release) {
     }
     let _ = std::fs::remove_file(&r.standby.fifo);
     let (job, step, pid) = r.task;
-    let o = if released {
-        FaultOutcome::StandbyTookOver {
+    let gpu = r.standby.domain.gpu;
+    let cold = r.standby.kind == mpsr_proto::standby::Kind::Cold;
+    let mut st = store.lock();
+    let hit_domain = st
+        .durable
+        .registry
+        .get(r.task)
+        .and_then(|t| t.domain_on(gpu))
+        .unwrap_or(mpsr_proto::DomainId::shared(gpu));
+    let o = match (released, cold) {
+        // A cold standby is the supervisor's word to start the next incarnation: a restart.
+        (true, true) => FaultOutcome::RestartedElsewhere {
+            job,
+            step,
+            from: hit_domain,
+            domain: r.standby.domain,
+        },
+        (true, false) => FaultOutcome::StandbyTookOver {
             job,
             step,
             standby,
             primary,
             primary_ended: fenced,
             released_us: (ms * 1000.0) as u64,
-        }
-    } else {
-        FaultOutcome::StandbyGone { job, step, standby }
+        },
+        (false, _) => FaultOutcome::StandbyGone { job, step, standby },
     };
     tracing::info!(
         fault_id = r.fault_id,
@@ -81,9 +96,10 @@ pub fn release_standby(store: &Store, r: Release) {
         standby,
         released,
         ms,
+        primary_ended = fenced,
+        kind = r.standby.kind.name(),
         "{o}"
     );
-    let mut st = store.lock();
     if let Some(e) = st.durable.resume.get_mut(r.task) {
         e.takeover = Some(if released {
             Takeover::Released(standby)
@@ -91,18 +107,13 @@ pub fn release_standby(store: &Store, r: Release) {
             Takeover::Unavailable
         });
     }
-    let gpu = r.standby.domain.gpu;
-    let hit_domain = st
-        .durable
-        .registry
-        .get(r.task)
-        .and_then(|t| t.domain_on(gpu))
-        .unwrap_or(mpsr_proto::DomainId::shared(gpu));
     if let Some(rec) = st.recovering.get_mut(&hit_domain) {
         rec.fenced_pids.extend(ended);
     }
     if released {
-        st.totals.entry(gpu).or_default().takeovers += 1;
+        if !cold {
+            st.totals.entry(gpu).or_default().takeovers += 1;
+        }
         st.move_task(r.fault_id, r.task, r.standby.domain);
     }
     store.record(&mut st, r.fault_id, Some(job), o);

@@ -68,28 +68,36 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey, kind: Kind) -> Respo
         return Response::error(ErrorCode::BadRequest, "the task uses no GPU");
     };
     let task = (t.job_id, t.step_id, t.pid);
-    let refused = {
+    let of = t
+        .domain_on(gpu)
+        .unwrap_or(mpsr_proto::DomainId::shared(gpu));
+    let domain = {
         let mut st = agent.store.lock();
         // A task has one standby: a new one replaces the last (its supervisor started again).
         let old = st.durable.drop_standbys(|s| s.task == task);
         crate::store::state::remove_fifos(&old);
-        over_limit(
-            &agent.cfg.standby,
-            &st.durable.standbys,
-            gpu,
-            kind,
-            procfs::rss_bytes,
-        )
+        match kind {
+            Kind::Cold => cold_domain(agent, &st.durable.domains, of),
+            _ => match over_limit(
+                &agent.cfg.standby,
+                &st.durable.standbys,
+                gpu,
+                kind,
+                procfs::rss_bytes,
+            ) {
+                Some(why) => Err(why),
+                // Placed outside the state lock (it may start a server).
+                None => Ok(None),
+            },
+        }
     };
-    if let Some(why) = refused {
-        return Response::error(ErrorCode::Refused, why);
-    }
-    let of = t
-        .domain_on(gpu)
-        .unwrap_or(mpsr_proto::DomainId::shared(gpu));
-    let domain = match agent.domains.place_standby(of) {
-        Ok(d) => d,
-        Err(e) => return Response::error(ErrorCode::Refused, e.to_string()),
+    let domain = match domain {
+        Ok(Some(d)) => d,
+        Ok(None) => match agent.domains.place_standby(of) {
+            Ok(d) => d,
+            Err(e) => return Response::error(ErrorCode::Refused, e.to_string()),
+        },
+        Err(why) => return Response::error(ErrorCode::Refused, why),
     };
     let dir = fifo_dir(agent);
     let fifo = dir.join(format!("{}.{}.{}", t.job_id, t.step_id, t.pid));
@@ -114,8 +122,26 @@ pub fn prepare(agent: &Agent, caller: Caller, key: TaskKey, kind: Kind) -> Respo
     Response::Standby {
         context: ctx,
         release_fifo: fifo.display().to_string(),
-        mem_limit: crate::config::parse_size(&agent.cfg.standby.memory_limit),
+        mem_limit: crate::config::parse_size(&agent.cfg.standby.memory_limit)
+            .filter(|_| kind != Kind::Cold),
     }
+}
+
+/// Where a cold standby's task restarts: the GPU's other running domain a hit task of `of` may
+/// restart in (`DomainTable::restart_elsewhere`), only where the node allows restarting there.
+/// None is made for it: a new server would cost GPU memory for a standby that costs none.
+fn cold_domain(
+    agent: &Agent,
+    domains: &crate::domain::DomainTable,
+    of: mpsr_proto::DomainId,
+) -> Result<Option<mpsr_proto::DomainId>, String> {
+    if !agent.cfg.standby.restart_in_standby_domain {
+        return Err("restarting in another fault domain is off on this node ([standby] restart_in_standby_domain)".into());
+    }
+    domains
+        .restart_elsewhere(of)
+        .map(Some)
+        .ok_or_else(|| format!("{of} has no other running domain on its GPU to restart in"))
 }
 
 pub fn arm(
@@ -175,6 +201,8 @@ fn over_limit(
     let (limit, key) = match kind {
         Kind::Hot => (cfg.max_per_gpu, "standby.max_per_gpu"),
         Kind::Warm => (cfg.warm_max_per_gpu, "standby.warm_max_per_gpu"),
+        // No process and no context: nothing to bound.
+        Kind::Cold => return None,
     };
     if on_gpu >= limit as usize {
         return Some(format!(
@@ -265,6 +293,13 @@ mod tests {
         assert!(over_limit(&cfg, &two, 2, Kind::Warm, half_gib)
             .unwrap()
             .contains("standby.warm_host_memory = 1G"));
+        // Cold ones (no process, no context) are not bounded at all.
+        let many_cold: Vec<Standby> = (0..64).map(|p| sb(0, 100 + p, Kind::Cold)).collect();
+        assert_eq!(
+            over_limit(&cfg, &many_cold, 0, Kind::Cold, |_| 1 << 40),
+            None
+        );
+        assert_eq!(over_limit(&cfg, &many_cold, 0, Kind::Hot, half_gib), None);
         let two_on_gpu0 = vec![sb(0, 10, Kind::Warm), sb(0, 12, Kind::Warm)];
         assert!(over_limit(&cfg, &two_on_gpu0, 0, Kind::Warm, |_| 1)
             .unwrap()

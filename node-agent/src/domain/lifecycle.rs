@@ -245,13 +245,7 @@ impl Domains {
             let (ids, used): (Vec<DomainId>, BTreeSet<DomainId>) = {
                 let st = self.store.lock();
                 let ids = st.durable.domains.records().map(|r| r.id).collect();
-                let used = st
-                    .durable
-                    .registry
-                    .tasks()
-                    .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
-                    .collect();
-                (ids, used)
+                (ids, in_use(&st.durable))
             };
             // A client not (yet) registered keeps its domain alive too.
             let busy: BTreeSet<DomainId> = ids
@@ -262,12 +256,7 @@ impl Domains {
             let expired = {
                 let mut st = self.store.lock();
                 let now = crate::sys::now_ms();
-                let used_now: BTreeSet<DomainId> = st
-                    .durable
-                    .registry
-                    .tasks()
-                    .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
-                    .collect();
+                let used_now = in_use(&st.durable);
                 let e = st.durable.domains.expired(
                     |d| busy.contains(&d) || used_now.contains(&d),
                     now,
@@ -364,6 +353,22 @@ impl Domains {
     }
 }
 
+/// The domains that must keep running: those of registered tasks, and those where a hot or warm
+/// standby waits (a warm one is no client while it waits: its server must still be there when it
+/// is released). A cold standby keeps none: it restarts its task only where a server still runs.
+fn in_use(d: &crate::store::state::Durable) -> BTreeSet<DomainId> {
+    d.registry
+        .tasks()
+        .flat_map(|t| t.gpus.iter().filter_map(|g| t.domain_on(*g)))
+        .chain(
+            d.standbys
+                .iter()
+                .filter(|s| s.kind != mpsr_proto::standby::Kind::Cold)
+                .map(|s| s.domain),
+        )
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,5 +385,27 @@ mod tests {
         };
         assert!(confirmed_down(always_down, 3, Duration::ZERO));
         assert_eq!(n, 3, "asked three times before giving up on it");
+    }
+
+    /// A warm standby is no client while it waits: its domain must not linger out under it. A
+    /// cold one keeps nothing running.
+    #[test]
+    fn hot_and_warm_standbys_keep_their_domain_cold_ones_do_not() {
+        use mpsr_proto::standby::Kind;
+        let mut d = crate::store::state::Durable::default();
+        let domain = |slot| DomainId { gpu: 0, slot };
+        for (slot, kind) in [(1, Kind::Hot), (2, Kind::Warm), (3, Kind::Cold)] {
+            d.standbys.push(crate::store::state::Standby {
+                task: (10 + slot, 0, 100 + slot),
+                uid: 1000,
+                domain: domain(slot),
+                fifo: "/nonexistent".into(),
+                armed: None,
+                kind,
+            });
+        }
+        let used = in_use(&d);
+        assert!(used.contains(&domain(1)) && used.contains(&domain(2)));
+        assert!(!used.contains(&domain(3)));
     }
 }

@@ -225,7 +225,7 @@ fn apply(
                 job_id,
                 step_id,
                 pid,
-            } => effects.extend(resume(st, ev, dec, hit, (*job_id, *step_id, *pid))),
+            } => effects.extend(resume(st, ctx, ev, dec, hit, (*job_id, *step_id, *pid))),
             Action::FailTask {
                 job_id,
                 step_id,
@@ -319,6 +319,7 @@ fn drain(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision, reason: &st
 /// else its supervisor restarts it in place.
 fn resume(
     st: &mut State,
+    ctx: &Ctx,
     ev: &FaultEvent,
     dec: &Decision,
     hit: &HitTasks,
@@ -327,7 +328,25 @@ fn resume(
     let standby = (dec.culprit_job() != Some(k.0))
         .then(|| take_armed_standby(&mut st.durable, k))
         .flatten();
+    let from = DomainId {
+        gpu: ev.gpu,
+        slot: hit.slot_of(k),
+    };
+    // A cold standby that cannot restart the task at once is ended: its supervisor restarts the
+    // task once the hit server is ACTIVE again, as without one.
+    let (standby, ended) = match standby {
+        Some(sb)
+            if sb.kind == mpsr_proto::standby::Kind::Cold
+                && !cold_restart_goes(st, ctx, ev, dec, from, sb.domain) =>
+        {
+            (None, Some(Effect::EndStandby(sb)))
+        }
+        s => (s, None),
+    };
     let line = match &standby {
+        Some(sb) if sb.kind == mpsr_proto::standby::Kind::Cold => {
+            format!("restarted at once in {} while {from} recovers", sb.domain)
+        }
         Some(sb) => format!(
             "{} standby pid {} released to take over",
             sb.kind.name(),
@@ -336,7 +355,9 @@ fn resume(
         None => "resume in place handed over".to_string(),
     };
     hand_to_resume_board(&mut st.durable, ev, k, hit.slot_of(k), None, line);
-    let sb = standby?;
+    let Some(sb) = standby else {
+        return ended;
+    };
     if let Some(e) = st.durable.resume.get_mut(k) {
         e.takeover = Some(Takeover::Releasing(sb.pid()));
         e.standby_kind = sb.kind;
@@ -366,13 +387,7 @@ fn run_of(st: &State, job: u32) -> Option<u32> {
 
 /// Servers expected in FAULT now: the health loop watches them back to ACTIVE. Returns them.
 fn watch_servers(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> Vec<DomainId> {
-    let watched: Vec<DomainId> = match ctx.classifier.policy(dec.class).radius {
-        // Contained: no server faulted.
-        _ if dec.contained => Vec::new(),
-        BlastRadius::Gpu => st.domains_of_gpu(ev.gpu),
-        BlastRadius::Domain => dec.hit_domains.iter().copied().collect(),
-        BlastRadius::None => Vec::new(),
-    };
+    let watched = faulted_servers(st, ctx, ev, dec);
     for d in &watched {
         let r = st.recovering.entry(*d).or_insert(Recovering {
             fault_id: ev.id,
@@ -389,6 +404,33 @@ fn watch_servers(st: &mut State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> 
         r.hit_jobs.extend(dec.hit.iter().copied());
     }
     watched
+}
+
+/// The domains whose server the fault put in FAULT.
+fn faulted_servers(st: &State, ctx: &Ctx, ev: &FaultEvent, dec: &Decision) -> Vec<DomainId> {
+    match ctx.classifier.policy(dec.class).radius {
+        // Contained: no server faulted.
+        _ if dec.contained => Vec::new(),
+        BlastRadius::Gpu => st.domains_of_gpu(ev.gpu),
+        BlastRadius::Domain => dec.hit_domains.iter().copied().collect(),
+        BlastRadius::None => Vec::new(),
+    }
+}
+
+/// Whether a cold standby may restart hit task `k` now: in the domain a task hit where it was may
+/// restart while its server recovers (`DomainTable::restart_elsewhere`: the same one as when it
+/// was prepared), whose server neither this fault nor an earlier one is holding.
+fn cold_restart_goes(
+    st: &State,
+    ctx: &Ctx,
+    ev: &FaultEvent,
+    dec: &Decision,
+    from: DomainId,
+    to: DomainId,
+) -> bool {
+    st.durable.domains.restart_elsewhere(from) == Some(to)
+        && !st.recovering.contains_key(&to)
+        && !faulted_servers(st, ctx, ev, dec).contains(&to)
 }
 
 fn quarantine(st: &mut State, ctx: &Ctx, ev: &FaultEvent, job: u32, uid: u32) {
@@ -562,6 +604,9 @@ fn fault_line(
         .filter_map(|a| match a {
             Action::Requeue { job_id } if *job_id == job => Some("requeued".to_string()),
             Action::Resume { job_id, .. } if *job_id == job => Some(match released {
+                Some(mpsr_proto::standby::Kind::Cold) => {
+                    "restarted at once in another fault domain".to_string()
+                }
                 Some(k) => format!("its {} standby took over", k.name()),
                 None => "restarted in place".to_string(),
             }),

@@ -1,9 +1,11 @@
 //! A hit task's supervisor asks what to do (`ResumeQuery`): restart (in its own domain once its
 //! server is ACTIVE, or at once in another running domain of its GPU), wait, fail, or nothing (a
-//! standby took over, or no fault hit it).
+//! standby took over, or no fault hit it; `TakenOver` too when a cold standby was released: its
+//! supervisor restarted the task at once).
 
 use super::Recovery;
 use crate::store::state::Takeover;
+use mpsr_proto::standby::Kind;
 use mpsr_proto::{DomainId, FaultOutcome, ResumeVerdict, ServerState};
 
 impl Recovery {
@@ -44,6 +46,13 @@ impl Recovery {
                 return Verdict::new(
                     ResumeVerdict::Wait,
                     format!("hit by {fault}; standby pid {pid} being released"),
+                )
+            }
+            // A cold standby's supervisor has started the next incarnation already.
+            Some(Takeover::Released(_)) if e.standby_kind == Kind::Cold => {
+                return done(
+                    ResumeVerdict::TakenOver,
+                    format!("hit by {fault}; restarted at once in another fault domain"),
                 )
             }
             Some(Takeover::Released(pid)) => {

@@ -558,3 +558,71 @@ fn each_xid_is_counted_once_by_its_class_unknown_ones_too() {
     assert_eq!(w.st.history.back().map(|r| r.class), Some(FaultClass::Info));
     assert!(w.requeues().is_empty(), "recovery action None: nobody hit");
 }
+
+/// A cold standby (the supervisor's own waiter: nothing of the task runs in its domain) is
+/// released at the decision like any other, so that the next incarnation starts while the hit
+/// server recovers; it is recorded as such.
+#[test]
+fn a_cold_standby_is_released_at_the_decision_where_its_domain_runs() {
+    let mut w = World::new();
+    w.resume_task_with_standby(1, 100);
+    w.st.durable.standbys[0].kind = mpsr_proto::standby::Kind::Cold;
+    w.batch_task(2, 200, 0);
+    let e = w.feed(w.signal(Source::MpsLog, None, Some(0), 0));
+    assert!(
+        matches!(&e[0], Effect::Release(r) if r.standby.kind == mpsr_proto::standby::Kind::Cold && r.task == (1, 0, 100)),
+        "{e:?}"
+    );
+    let entry = w.st.durable.resume.get((1, 0, 100)).unwrap();
+    assert_eq!(
+        entry.takeover,
+        Some(crate::store::state::Takeover::Releasing(102))
+    );
+    assert_eq!(entry.standby_kind, mpsr_proto::standby::Kind::Cold);
+    assert!(w.st.durable.standbys.is_empty());
+}
+
+/// A cold standby whose domain is itself held by a fault, or is no longer where a task of the
+/// hit domain may restart, is ended: its task restarts once its own server is ACTIVE again.
+#[test]
+fn a_cold_standby_that_cannot_restart_the_task_at_once_is_ended() {
+    for case in ["its domain recovers", "its domain is gone"] {
+        let mut w = World::new();
+        w.resume_task_with_standby(1, 100);
+        w.st.durable.standbys[0].kind = mpsr_proto::standby::Kind::Cold;
+        let sb_domain = w.st.durable.standbys[0].domain;
+        if case == "its domain recovers" {
+            w.st.recovering.insert(
+                sb_domain,
+                crate::store::state::Recovering {
+                    fault_id: 99,
+                    since: std::time::Instant::now(),
+                    hit_jobs: Default::default(),
+                    killed: Default::default(),
+                    scanned_at: None,
+                    blockers_reported: Default::default(),
+                    fenced_pids: Vec::new(),
+                    climbed: 0,
+                    escalating: false,
+                    primaries_ended: false,
+                },
+            );
+        } else {
+            w.st.durable.domains.remove(sb_domain);
+        }
+        w.batch_task(2, 200, 0);
+        let e = w.feed(w.signal(Source::MpsLog, None, Some(0), 0));
+        assert!(
+            !e.iter().any(|x| matches!(x, Effect::Release(_))),
+            "{case}: {e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|x| matches!(x, Effect::EndStandby(s) if s.pid() == 102)),
+            "{case}: {e:?}"
+        );
+        let entry = w.st.durable.resume.get((1, 0, 100)).unwrap();
+        assert_eq!(entry.takeover, None, "{case}: restarted as without one");
+        assert!(w.st.durable.standbys.is_empty());
+    }
+}
