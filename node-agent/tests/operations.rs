@@ -391,6 +391,15 @@ fn a_hit_task_restarts_at_once_in_the_running_standby_domain() {
                 armed_standby(e, 72).is_some()
             });
             let cold = armed_standby(&e, 72).unwrap();
+            let kind_of = |job| {
+                status(&e)
+                    .tasks
+                    .into_iter()
+                    .find(|t| t.job_id == job)
+                    .and_then(|t| t.standby_kind)
+            };
+            assert_eq!(kind_of(72), Some(mpsr_proto::standby::Kind::Cold));
+            assert_eq!(kind_of(71), Some(mpsr_proto::standby::Kind::Hot));
             assert!(
                 standby_clients(&e) == vec![standby],
                 "a cold standby is no client: {:?}",

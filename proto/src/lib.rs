@@ -386,9 +386,13 @@ pub struct TaskStatus {
     /// The fault domain of each of its GPUs.
     #[serde(default)]
     pub domains: Vec<DomainId>,
-    /// Its armed hot standby: the standby's pid and the domain it waits in.
+    /// Its armed standby: the standby's pid (a cold one's: its supervisor's waiter) and the
+    /// domain it waits in.
     #[serde(default)]
     pub standby: Option<(u32, DomainId)>,
+    /// That standby's kind (absent from agents before 0.3: hot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby_kind: Option<standby::Kind>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -8,6 +8,12 @@
 //! the agent knows nothing of ends the task with the child's status. Signals are forwarded to the
 //! child and stop further restarts.
 //!
+//! Without a hot or warm standby, where the GPU runs another domain to restart in, it keeps a
+//! cold standby (`standby`): a waiter of its own on a FIFO, armed with the agent like a standby.
+//! The agent releases it at the fault's decision, after ending the hit child, and mpsr-run starts
+//! the next incarnation in that domain at once, instead of waiting for the old child's exit (which
+//! comes only once the GPU has handled the fault).
+//!
 //! With a standby (`--mps-standby[=hot|warm]`: MPSR_STANDBY=1 or warm), it also runs a second
 //! incarnation of the command for another fault domain, which prepares itself and waits: a hot one
 //! (MPSR_ROLE=standby) in `mpsr_state_ready()` with its CUDA context made, a warm one
@@ -30,7 +36,7 @@ use std::time::{Duration, Instant};
     name = "mpsr-run",
     version,
     about = "mps-resilient resume supervisor: restarts a task hit by a GPU fault in place",
-    long_about = "Runs COMMAND as a child. When it dies abnormally, asks the node agent whether a GPU fault hit this task; if so, waits until the GPU's MPS server is ACTIVE again and restarts it in place (same Slurm task). A culprit, a lost GPU or a failure the agent knows nothing of ends the task with the child's status. Signals are forwarded to the child and stop further restarts. The child sees MPSR_RESTARTS (0 on the first run). On Slurm >= 23.11 the plugin inserts mpsr-run itself for --mps-resilient=resume.",
+    long_about = "Runs COMMAND as a child. When it dies abnormally, asks the node agent whether a GPU fault hit this task; if so, waits until the GPU's MPS server is ACTIVE again and restarts it in place (same Slurm task). Where the GPU runs another fault domain to restart in, the restart starts at the fault's decision there, without waiting for the old child's exit (a cold standby: a waiter of mpsr-run's own, released by the agent). A culprit, a lost GPU or a failure the agent knows nothing of ends the task with the child's status. Signals are forwarded to the child and stop further restarts. The child sees MPSR_RESTARTS (0 on the first run). On Slurm >= 23.11 the plugin inserts mpsr-run itself for --mps-resilient=resume.",
     after_help = "Environment: MPSR_SOCKET (agent socket, default /run/mps-resilient/agent.sock), SLURM_JOB_ID, SLURM_STEP_ID (set by Slurm)."
 )]
 struct Opts {
@@ -47,14 +53,16 @@ struct Opts {
     /// How long to wait for the GPU's MPS server to be ACTIVE again.
     #[arg(long = "wait-s", value_name = "S", default_value = "120", value_parser = secs)]
     wait: Duration,
-    /// After a standby took over, wait this long before preparing the next one: starting a
-    /// process and its CUDA context beside the task's first steps would slow them down.
+    /// After a standby took over (or a cold one restarted the task), wait this long before
+    /// preparing the next one: starting a process and its CUDA context beside the task's first
+    /// steps would slow them down, and the domain a cold one would use may still recover.
     #[arg(long = "standby-delay-ms", value_name = "MS", default_value = "3000", value_parser = millis)]
     standby_delay: Duration,
     /// Restart only in the task's own fault domain, once its server is ACTIVE again. Without it
     /// the agent may restart a task hit in the GPU's shared domain at once in the GPU's standby
     /// domain (when that one's server runs; the node's `[standby] restart_in_standby_domain`),
-    /// where it then runs: back sooner, but in another MPS server than its neighbours.
+    /// where it then runs (at the fault's decision, through a cold standby): back sooner, but in
+    /// another MPS server than its neighbours.
     #[arg(long)]
     same_domain: bool,
     /// The command and its arguments (after `--`, or from the first word that is not an option).
@@ -368,15 +376,14 @@ fn main() -> ExitCode {
                 }
             }
         }
-        STANDBY.store(
-            standby.as_ref().map_or(0, |s| s.pid as i32),
-            Ordering::SeqCst,
-        );
+        // A cold standby's waiter is no incarnation of the command: signals are not for it.
+        let incarnation = standby.as_ref().filter(|_| !cold);
+        STANDBY.store(incarnation.map_or(0, |s| s.pid as i32), Ordering::SeqCst);
         // A stop signal that came before CHILD was set was not forwarded: forward it now.
         let pending = STOPPING.load(Ordering::SeqCst);
         if pending != 0 {
             kill(p, pending);
-            standby.as_ref().inspect(|s| kill(s.pid, pending));
+            incarnation.inspect(|s| kill(s.pid, pending));
         }
         let until = (standby_wanted && may_arm && standby.is_none()).then_some(standby_due);
         let (pid, status) = match wait_any(until) {

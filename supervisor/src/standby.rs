@@ -100,8 +100,8 @@ fn cold_waiter(fifo: &str) -> std::io::Result<u32> {
     // SAFETY: fork(2); the child runs only the block below.
     match unsafe { libc::fork() } {
         -1 => Err(std::io::Error::last_os_error()),
-        // SAFETY: the child calls only async-signal-safe functions (prctl, getppid, sigprocmask,
-        // open, read, _exit) on memory prepared before the fork: mpsr-run has other threads,
+        // SAFETY: the child calls only async-signal-safe functions (prctl, getppid, open, read,
+        // _exit) on memory prepared before the fork: mpsr-run has other threads,
         // whose locks (malloc's among them) the child must not touch.
         0 => unsafe {
             // Dies with mpsr-run; a parent gone before the prctl is seen by getppid.
@@ -109,10 +109,8 @@ fn cold_waiter(fifo: &str) -> std::io::Result<u32> {
             if libc::getppid() != parent {
                 libc::_exit(2);
             }
-            // mpsr-run blocks the signals it forwards (sigwait); the waiter takes them as usual.
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+            // It keeps mpsr-run's mask (the forwarded signals blocked): a SIGUSR1 for the
+            // application must not end it. mpsr-run ends it with SIGKILL.
             let fd = libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
             if fd < 0 {
                 libc::_exit(2);

@@ -1223,6 +1223,97 @@ fn a_warm_standby_takes_over_a_hit_srun_task() {
     assert!(not_drained(&c, "n1"));
 }
 
+/// Without a standby of its own, a resume srun task whose GPU runs a standby domain (another
+/// task's warm standby waits there) keeps a cold one: nothing of the task runs for it, and the
+/// agent releases it at the decision of a fault in the shared server, so mpsr-run restarts the
+/// task at once in the standby domain; the restarted task finds its kept state, the step completes
+/// with Restarts=0 and the job's AdminComment says how. The warm task's standby takes over.
+#[test]
+fn a_hit_srun_task_without_a_standby_restarts_at_once_in_the_standby_domain() {
+    let Some((_g, c)) = cluster(Options::default()) else {
+        return;
+    };
+    let (w_out, mut w_srun, w_job, gpu) = start_resume_srun(
+        &c,
+        "srun-warm-beside.out",
+        "--mps-standby=warm",
+        &warm_standby_app(7),
+    );
+    wait_for("the warm standby armed", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        s.tasks
+            .iter()
+            .find(|t| t.job_id == w_job)?
+            .standby
+            .map(|_| ())
+    })
+    .unwrap();
+    let out = c.jobs().join("srun-cold.out");
+    let mut srun = c
+        .spawn_as(
+            "nobody",
+            "srun -u -w n1 --gres=shard:1 --mps-resilient=resume mpsr-run -- sh -c 'echo attempt $MPSR_RESTARTS; if [ $MPSR_RESTARTS = 0 ]; then mpsr-statetool model 8M --fill 5 || exit 1; else mpsr-statetool model 8M --verify 5 || exit 1; fi; exec mpsr-simclient --seconds $([ $MPSR_RESTARTS = 0 ] && echo 120 || echo 2)'",
+            &out,
+        )
+        .unwrap();
+    let (job, cold) = wait_for("its cold standby armed", SHORT, || {
+        let s = c.agent_status("n1").ok()?;
+        let t = s.tasks.iter().find(|t| t.job_id != w_job)?;
+        let cold = t
+            .standby
+            .filter(|_| t.standby_kind == Some(mpsr_proto::standby::Kind::Cold));
+        Some((t.job_id, cold?))
+    })
+    .unwrap();
+    let task_gpu = c.wait_registered("n1", job, 1).unwrap()[0];
+    assert_eq!(
+        task_gpu, gpu,
+        "both tasks on one GPU (Slurm fills a GPU's shards first)"
+    );
+    assert!(
+        !cold.1.is_shared(),
+        "it waits for the standby domain: {cold:?}"
+    );
+    wait_for("both primaries busy in the shared server", SHORT, || {
+        (c.clients("n1", gpu).len() == 2).then_some(())
+    })
+    .unwrap();
+    assert!(
+        !c.clients("n1", gpu).contains(&cold.0),
+        "a cold standby is no client"
+    );
+    c.inject_in("n1", gpu, 43, Some(0)).unwrap();
+    let status = wait_for("srun exit", LONG, || srun.try_wait().ok().flatten()).unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(status.success(), "srun failed: {text}");
+    assert!(
+        text.contains(&format!(
+            "restarting in place (1/3) at once, its clients in gpu{gpu}/d"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("attempt 1") && text.contains("verified model: every byte is 5"),
+        "the restarted task found its kept state: {text}"
+    );
+    c.wait_job_state(job, &["COMPLETED"], SHORT).unwrap();
+    assert_eq!(c.job_field(job, "Restarts"), "0");
+    wait_for("the job's fault line", SHORT, || {
+        admin_comment(&c, job)
+            .contains("victim; restarted at once in another fault domain")
+            .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: AdminComment={}", admin_comment(&c, job)));
+    let w_status = wait_for("the warm task's srun exit", LONG, || {
+        w_srun.try_wait().ok().flatten()
+    })
+    .unwrap();
+    let w_text = std::fs::read_to_string(&w_out).unwrap();
+    assert!(w_status.success(), "{w_text}");
+    assert!(w_text.contains("its warm standby took over"), "{w_text}");
+    assert!(not_drained(&c, "n1"));
+}
+
 /// Slurm's own GPU sharing, gres/mps (issue 23): a job asking `--gres=mps:50 --mps-resilient` is
 /// protected like a shard job: registered on its GPU (from Slurm's environment), Slurm's thread
 /// percentage (50) is what its clients get, and a fault in its server requeues it.

@@ -16,12 +16,12 @@ pub fn status(agent: &Agent, caller: Caller) -> Response {
                 .filter(|t| trusted || t.uid == peer.uid)
                 .map(|t| {
                     let mut s = t.status();
-                    s.standby = st
-                        .durable
-                        .standbys
-                        .iter()
-                        .find(|sb| sb.task == (t.job_id, t.step_id, t.pid) && sb.armed.is_some())
-                        .map(|sb| (sb.pid(), sb.domain));
+                    let armed =
+                        st.durable.standbys.iter().find(|sb| {
+                            sb.task == (t.job_id, t.step_id, t.pid) && sb.armed.is_some()
+                        });
+                    s.standby = armed.map(|sb| (sb.pid(), sb.domain));
+                    s.standby_kind = armed.map(|sb| sb.kind);
                     s
                 })
                 .collect::<Vec<_>>(),

@@ -73,6 +73,7 @@ impl Task {
 
     pub fn status(&self) -> TaskStatus {
         TaskStatus {
+            standby_kind: None,
             job_id: self.job_id,
             step_id: self.step_id,
             pid: self.pid,

@@ -426,10 +426,13 @@ fn print_status(s: &mpsr_proto::StatusReply) {
     }
     for t in &s.tasks {
         let domains: Vec<String> = t.domains.iter().map(|d| d.to_string()).collect();
-        let standby = t
-            .standby
-            .map(|(pid, d)| format!(" standby pid {pid} in {d}"))
-            .unwrap_or_default();
+        let standby = match (t.standby, t.standby_kind.unwrap_or_default()) {
+            (Some((pid, d)), mpsr_proto::standby::Kind::Cold) => {
+                format!(" restarts at once in {d} (cold standby: waiter pid {pid})")
+            }
+            (Some((pid, d)), k) => format!(" {} standby pid {pid} in {d}", k.name()),
+            (None, _) => String::new(),
+        };
         println!(
             "  job {} step {} pid {} uid {} gpus {:?} mode {}{} domains [{}]{standby}",
             t.job_id,
