@@ -308,8 +308,11 @@ fn a_warm_standby_waits_without_a_context_and_takes_over() {
     drop(sup);
 }
 
+/// A hot standby that dies before any fault is not replaced by another; its supervisor keeps a
+/// cold one instead (the GPU's standby domain runs), so the fault's restart still starts at the
+/// decision, in that domain.
 #[test]
-fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
+fn a_standby_gone_before_the_fault_leaves_a_cold_one_for_the_restart() {
     let e = Env::new("");
     let (sup, err) = standby_task(&e, 53);
     e.wait_for("the standby attached and armed", |e| {
@@ -321,13 +324,26 @@ fn a_standby_gone_before_the_fault_leads_to_the_ordinary_restart() {
     e.wait_for("mpsr-run saw its standby end", |_| {
         std::fs::read_to_string(&err).is_ok_and(|t| t.contains("ended before any fault"))
     });
+    // It falls back to a cold standby: the standby domain still runs, so the restart still
+    // starts at the decision.
+    e.wait_for("a cold standby armed instead", |e| {
+        status(e)
+            .tasks
+            .iter()
+            .any(|t| t.job_id == 53 && t.standby_kind == Some(mpsr_proto::standby::Kind::Cold))
+    });
     let neighbour = e.client(0, 30.0, false);
     e.register(54, neighbour.id(), &[0], Mode::Requeue, true);
     e.inject(0, 43, None, Some(0));
     e.wait_for("the restart in place", |_| {
         std::fs::read_to_string(&err).is_ok_and(|t| t.contains("restarting in place"))
     });
-    assert!(!std::fs::read_to_string(&err).unwrap().contains("took over"));
+    let text = std::fs::read_to_string(&err).unwrap();
+    assert!(!text.contains("took over"), "{text}");
+    assert!(
+        text.contains("(1/3) at once, its clients in gpu0/d"),
+        "{text}"
+    );
     drop(sup);
 }
 

@@ -325,8 +325,18 @@ fn main() -> ExitCode {
     let wanted = std::env::var(mpsr_proto::standby::WANTED_ENV)
         .ok()
         .and_then(|v| Kind::from_env_value(&v));
-    let kind = wanted.unwrap_or(Kind::Cold);
-    let cold = kind == Kind::Cold;
+    let mut kind = wanted.unwrap_or(Kind::Cold);
+    let mut cold = kind == Kind::Cold;
+    // A hot or warm standby refused or gone: a cold one still starts the restart at the decision
+    // (where the task may move).
+    let fall_back = |kind: &mut Kind, cold: &mut bool| {
+        let to_cold = !*cold && !o.same_domain;
+        if to_cold {
+            *kind = Kind::Cold;
+            *cold = true;
+        }
+        to_cold
+    };
     let standby_allowed = task.is_some() && (wanted.is_some() || !o.same_domain);
     let mut standby_wanted = standby_allowed;
     forward_signals();
@@ -371,7 +381,7 @@ fn main() -> ExitCode {
                                 kind.name()
                             );
                         }
-                        standby_wanted = false;
+                        standby_wanted = fall_back(&mut kind, &mut cold);
                     }
                 }
             }
@@ -436,7 +446,7 @@ fn main() -> ExitCode {
                         kind.name(),
                         exit_code(status)
                     );
-                    standby_wanted = false;
+                    standby_wanted = fall_back(&mut kind, &mut cold);
                 }
             }
             continue;
