@@ -354,7 +354,7 @@ fn resume(
         ),
         None => "resume in place handed over".to_string(),
     };
-    hand_to_resume_board(&mut st.durable, ev, k, hit.slot_of(k), None, line);
+    hand_to_resume_board(&mut st.durable, ev, k, from.slot, None, line);
     let Some(sb) = standby else {
         return ended;
     };

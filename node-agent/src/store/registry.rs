@@ -73,7 +73,6 @@ impl Task {
 
     pub fn status(&self) -> TaskStatus {
         TaskStatus {
-            standby_kind: None,
             job_id: self.job_id,
             step_id: self.step_id,
             pid: self.pid,
@@ -87,6 +86,7 @@ impl Task {
                 .filter_map(|g| self.domain_on(*g))
                 .collect(),
             standby: None,
+            standby_kind: None,
         }
     }
 }
