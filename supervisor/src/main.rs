@@ -404,12 +404,6 @@ fn main() -> ExitCode {
                 return ExitCode::from(1);
             }
         };
-        let took_over = |kind: Kind, reason: &str| {
-            eprintln!(
-                "mpsr-run: a GPU fault hit the task ({reason}); its {} standby took over",
-                kind.name()
-            )
-        };
         if Some(pid) != primary {
             let Some(s) = standby.as_ref().filter(|s| s.pid == pid) else {
                 // An incarnation the agent ended at a cold standby's release, gone now.
@@ -457,7 +451,7 @@ fn main() -> ExitCode {
         let end_standby = |standby: Option<standby::Armed>| {
             if let Some(s) = standby {
                 kill(s.pid, libc::SIGKILL);
-                // SAFETY: reaps that one child; st is a valid out-parameter.
+                // SAFETY: waitpid(2) reaping our own child; a null status pointer is allowed.
                 unsafe { libc::waitpid(s.pid as i32, std::ptr::null_mut(), 0) };
             }
         };
@@ -477,21 +471,22 @@ fn main() -> ExitCode {
             ResumeVerdict::TakenOver if cold => {
                 // The cold standby was released (its waiter is gone or goes now): the next
                 // incarnation starts in its domain.
-                let s = standby.take();
-                if let Some(s) = &s {
-                    restart_at_once(&o, &mut restarts, &mut home, &s.context, &reason, started);
-                } else {
+                let Some(s) = standby.take() else {
                     eprintln!("mpsr-run: {reason}, but no cold standby is known here; exiting with status {code}");
                     return ExitCode::from(code);
-                }
-                end_standby(s);
+                };
+                restart_at_once(&o, &mut restarts, &mut home, &s.context, &reason, started);
+                end_standby(Some(s));
                 standby_due = Instant::now() + o.standby_delay;
             }
             ResumeVerdict::TakenOver => {
                 // The standby is the task's process now; a new standby is prepared for it.
                 primary = standby.take().map(|s| s.pid);
                 standby_due = Instant::now() + o.standby_delay;
-                took_over(kind, &reason);
+                eprintln!(
+                    "mpsr-run: a GPU fault hit the task ({reason}); its {} standby took over",
+                    kind.name()
+                );
             }
             ResumeVerdict::Restart if restarts < o.max_restarts => {
                 end_standby(standby.take());
